@@ -1,0 +1,31 @@
+# Quickstart: `make run` serves, `make test` tests. Both run `setup` first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench-grammar clean
+
+setup: $(STAMP)
+	$(PY) -m shared.protogen
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: it resolves to the local CPU wheel, not a CUDA download.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/structd up
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-grammar: setup
+	$(VENV)/bin/structd bench grammar
+
+clean:
+	rm -rf $(VENV) shared/gen .pytest_cache

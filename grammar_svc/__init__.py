@@ -1,0 +1,1 @@
+"""structd grammar service: compiles constraints and streams token masks."""

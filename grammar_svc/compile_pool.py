@@ -1,0 +1,148 @@
+"""A pool of compile worker processes with real deadlines.
+
+Each job waits for an idle worker, sends it the spec, and waits for the reply
+up to the deadline. A job past its deadline kills its worker (SIGKILL: the
+compile stops burning a core at once) and a fresh worker takes its place in
+the background. Calls are asyncio-friendly: the blocking pipe I/O runs on a
+thread per busy worker, so the event loop and other compiles never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from dataclasses import dataclass
+
+from grammar_svc.spec import GrammarSpec
+from shared.errors import CompileTimeoutError, InvalidGrammarError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CompileOutput:
+    serialized: str
+    warnings: tuple[str, ...]
+    duration_seconds: float
+    memory_bytes: int
+
+
+class _Worker:
+    """A `python -m grammar_svc.compile_worker` child on a socketpair.
+
+    A plain subprocess rather than multiprocessing: the child never re-imports
+    the parent's __main__, and it says "ready" only once xgrammar is loaded.
+    """
+
+    def __init__(self):
+        parent, child = socket.socketpair()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "grammar_svc.compile_worker", str(child.fileno())],
+            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        if self.conn.recv() != ("ready",):
+            raise RuntimeError("compile worker failed to start")
+        self.tokenizers: set[str] = set()
+
+    def run(self, fingerprint: str, info_json: str, spec: GrammarSpec):
+        if fingerprint not in self.tokenizers:
+            self.conn.send(("tokenizer", fingerprint, info_json))
+            self.conn.recv()
+            self.tokenizers.add(fingerprint)
+        self.conn.send(("compile", fingerprint, spec))
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=5)
+        self.conn.close()
+
+
+class CompilePool:
+    def __init__(self, num_workers: int):
+        self._num_workers = num_workers
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._all: set[_Worker] = set()
+        self._closed = False
+        self.kills = 0
+
+    async def start(self) -> None:
+        self._idle = asyncio.Queue()
+        workers = await asyncio.gather(*[asyncio.to_thread(_Worker) for _ in range(self._num_workers)])
+        for w in workers:
+            self._all.add(w)
+            self._idle.put_nowait(w)
+
+    @property
+    def busy_workers(self) -> int:
+        return len(self._all) - (self._idle.qsize() if self._idle else 0)
+
+    async def compile(self, fingerprint: str, info_json: str, spec: GrammarSpec, timeout_seconds: float) -> CompileOutput:
+        if self._closed or self._idle is None:
+            raise UnavailableError("grammar service is shutting down")
+        deadline = time.monotonic() + timeout_seconds
+        try:
+            worker = await asyncio.wait_for(self._idle.get(), timeout_seconds)
+        except asyncio.TimeoutError:
+            raise CompileTimeoutError(
+                f"no compile worker became free within {timeout_seconds:g} s (all busy); retry later"
+            ) from None
+        remaining = max(0.0, deadline - time.monotonic())
+        task = asyncio.ensure_future(asyncio.to_thread(worker.run, fingerprint, info_json, spec))
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(task), remaining)
+        except asyncio.TimeoutError:
+            self._replace(worker)
+            raise CompileTimeoutError(
+                f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped; "
+                "simplify the constraint or raise timeout_seconds"
+            ) from None
+        except (EOFError, OSError, BrokenPipeError) as e:
+            self._replace(worker)
+            raise UnavailableError(f"compile worker died ({e!r}); retry") from None
+        except asyncio.CancelledError:
+            # The caller went away mid-compile: the worker's answer is stale.
+            self._replace(worker)
+            raise
+        self._idle.put_nowait(worker)
+        status = reply[0]
+        if status == "ok":
+            _, serialized, warnings, duration, memory = reply
+            return CompileOutput(serialized, tuple(warnings), duration, memory)
+        if status == "invalid":
+            raise InvalidGrammarError(f"{spec.kind.value}: {reply[1]}")
+        raise RuntimeError(f"compile worker failed: {reply[1]}")
+
+    def _replace(self, worker: _Worker) -> None:
+        self.kills += 1
+        self._all.discard(worker)
+        worker.kill()
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+
+        def spawn():
+            fresh = _Worker()
+            def hand_over():
+                if self._closed:
+                    fresh.kill()
+                else:
+                    self._all.add(fresh)
+                    self._idle.put_nowait(fresh)
+            loop.call_soon_threadsafe(hand_over)
+
+        threading.Thread(target=spawn, daemon=True, name="structd-compile-respawn").start()
+
+    async def close(self) -> None:
+        self._closed = True
+        for w in list(self._all):
+            await asyncio.to_thread(w.kill)
+        self._all.clear()

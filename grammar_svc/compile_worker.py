@@ -1,0 +1,121 @@
+"""The compile worker process: compiles one spec at a time with xgrammar.
+
+It runs in its own process so that a compile that outlives its deadline can
+be killed outright (xgrammar cannot be interrupted from Python). It returns
+the compiled grammar serialized, plus every warning: xgrammar's own, which it
+prints on stderr, captured here, and the schema scanner's.
+
+Messages on the pipe (parent -> worker):
+  ("tokenizer", fingerprint, info_json)
+  ("compile", fingerprint, GrammarSpec)
+Replies (worker -> parent):
+  ("ok", serialized_json, warnings, duration_seconds, memory_bytes)
+  ("invalid", message)      the spec is malformed or unsatisfiable
+  ("error", message)        anything else (a bug or an xgrammar crash)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+
+# xgrammar's log prefix: "[05:35:54] /project/cpp/file.cc:123: "
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def clean_message(text: str) -> str:
+    """xgrammar's message without its source location, first line only."""
+    line = text.strip().splitlines()[0] if text.strip() else "compilation failed"
+    line = _LOG_PREFIX.sub("", line)
+    return _CHECK_PREFIX.sub("", line)
+
+
+class _StderrCapture:
+    """Redirects fd 2 (where xgrammar's C++ logging writes) into a temp file."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+
+    def __enter__(self):
+        self._file.seek(0)
+        self._file.truncate()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        os.dup2(self._saved, 2)
+
+    def lines(self) -> list[str]:
+        self._file.seek(0)
+        return self._file.read().decode("utf-8", "replace").splitlines()
+
+
+def _warnings_from(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        if "Warning:" in line:
+            msg = line.split("Warning:", 1)[1].strip()
+            if msg and msg not in out:
+                out.append(msg)
+    return out
+
+
+def serve(conn) -> None:
+    import xgrammar as xgr
+
+    from grammar_svc import schema_warnings
+    from grammar_svc.spec import Kind, compile_spec
+
+    compilers: dict[str, object] = {}
+    capture = _StderrCapture()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "tokenizer":
+            _, fp, info_json = msg
+            info = xgr.TokenizerInfo.deserialize_json(info_json)
+            # One thread per worker: parallelism comes from the worker count,
+            # and a killed worker then stops exactly one core's worth of work.
+            compilers[fp] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            conn.send(("ok",))
+            continue
+        _, fp, spec = msg
+        try:
+            start = time.perf_counter()
+            with capture:
+                compiled = compile_spec(compilers[fp], spec)
+            duration = time.perf_counter() - start
+            warnings = _warnings_from(capture.lines())
+            if spec.kind is Kind.JSON_SCHEMA:
+                warnings += schema_warnings.scan(json.loads(spec.text))
+            conn.send(("ok", compiled.serialize_json(), warnings, duration, compiled.memory_size_bytes))
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
+            conn.send(("invalid", clean_message(str(e))))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def main() -> None:
+    """Entry point: `python -m grammar_svc.compile_worker FD` (FD: one end of a socketpair)."""
+    import sys
+    from multiprocessing.connection import Connection
+
+    conn = Connection(int(sys.argv[1]))
+    import xgrammar  # noqa: F401 - loaded before "ready" so the first compile is not slowed by imports
+
+    conn.send(("ready",))
+    try:
+        serve(conn)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

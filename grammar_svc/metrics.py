@@ -1,0 +1,60 @@
+"""Prometheus metrics of the grammar service (names are part of the ops contract).
+
+Each service instance owns its own CollectorRegistry, so tests can run a
+server in-process without colliding with the global default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Mask fills: a few microseconds typical, tens of milliseconds worst case.
+MASK_FILL_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+                     1e-2, 2.5e-2, 5e-2, 0.1)
+# Whole steps: tens of microseconds to tens of milliseconds.
+STEP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+# Compiles: sub-millisecond to the deadline and beyond.
+COMPILE_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Bytes per mask on the wire: a same-as reference (4) up to dense (16 KB for 129k tokens).
+MASK_BYTES_BUCKETS = (4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class GrammarMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.compile_duration = Histogram(
+            "grammar_svc_compile_duration_seconds", "Wall time of grammar compilations (cache misses that succeeded).",
+            ["kind"], buckets=COMPILE_BUCKETS, registry=r)
+        self.compile_failures = Counter(
+            "grammar_svc_compile_failures_total", "Compilations that failed, by reason (invalid, timeout, too_large, error).",
+            ["kind", "reason"], registry=r)
+        self.cache_hits = Counter(
+            "grammar_svc_cache_hits_total", "Compile requests answered from the cache (successes and cached failures).",
+            ["kind"], registry=r)
+        self.cache_misses = Counter(
+            "grammar_svc_cache_misses_total", "Compile requests that were not in the cache.", ["kind"], registry=r)
+        self.cache_bytes = Gauge(
+            "grammar_svc_cache_bytes", "Bytes held by the compiled-grammar cache.", registry=r)
+        self.active_sessions = Gauge(
+            "grammar_svc_active_sessions", "Open matcher sessions across all step streams.", registry=r)
+        self.active_streams = Gauge(
+            "grammar_svc_active_streams", "Open step streams (one per inference replica).", registry=r)
+        self.mask_fill_duration = Histogram(
+            "grammar_svc_mask_fill_duration_seconds", "Time to fill one token mask row.",
+            buckets=MASK_FILL_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "grammar_svc_step_duration_seconds", "Server time for one step message: accept, jump-forward, fill, encode.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.step_sessions = Histogram(
+            "grammar_svc_step_sessions", "Sessions carried by one step message.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.mask_bytes = Histogram(
+            "grammar_svc_mask_bytes", "Bytes on the wire per token mask, by encoding.", ["encoding"],
+            buckets=MASK_BYTES_BUCKETS, registry=r)
+        self.jump_forward_tokens = Counter(
+            "grammar_svc_jump_forward_tokens_total", "Tokens forced and accepted by jump-forward.", registry=r)
+        self.session_events = Counter(
+            "grammar_svc_session_events_total",
+            "Session lifecycle events (opened, closed, expired, stream_ended, rejected, terminated, error).",
+            ["event"], registry=r)

@@ -1,0 +1,79 @@
+"""Finds JSON Schema keywords that xgrammar 0.2.8 ignores or approximates.
+
+xgrammar prints a warning for some of these (multipleOf on numbers, pattern
+with length bounds, allOf, overlapping oneOf); those are captured from the
+compile worker's stderr. The ones below it drops silently; this scanner names
+each with its JSON pointer so the client sees them in CompileResponse.warnings.
+The table was established by compiling each keyword with and without it and
+is pinned by tests/test_schema_warnings.py (which proves each one is really
+not enforced), so an xgrammar upgrade that starts enforcing one fails there.
+"""
+
+from __future__ import annotations
+
+# Formats xgrammar 0.2.8 turns into a grammar; any other format is ignored.
+ENFORCED_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+
+IGNORED_KEYWORDS: dict[str, str] = {
+    "uniqueItems": "uniqueItems is not enforced: arrays may repeat items",
+    "not": "not is ignored: instances matching the negated schema are allowed",
+    "if": "if/then/else is ignored: the conditional subschemas are not applied",
+    "dependencies": "dependencies is ignored",
+    "dependentRequired": "dependentRequired is ignored",
+    "dependentSchemas": "dependentSchemas is ignored",
+    "unevaluatedProperties": "unevaluatedProperties is ignored",
+    "unevaluatedItems": "unevaluatedItems is ignored",
+    "additionalItems": "additionalItems is ignored",
+    "contains": "contains is approximated: only an empty array is generated, which the schema rejects",
+    "minContains": "minContains is not enforced",
+    "maxContains": "maxContains is not enforced",
+}
+
+# Keywords whose values are schemas, or maps/lists of schemas, to descend into.
+_SCHEMA_VALUED = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+                  "propertyNames", "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+MAX_WARNINGS = 64
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def scan(schema) -> list[str]:
+    """Warnings for ignored keywords, each with its JSON pointer, deduplicated, bounded."""
+    found: list[str] = []
+    seen: set[str] = set()
+    stack = [("", schema)]
+    while stack and len(found) < MAX_WARNINGS:
+        pointer, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, message in IGNORED_KEYWORDS.items():
+            if key in node:
+                line = f"{pointer or '/'}: {message}"
+                if line not in seen:
+                    seen.add(line)
+                    found.append(line)
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
+            found.append(f"{pointer or '/'}: format {fmt!r} is not enforced: any string is allowed")
+        for key in _SCHEMA_VALUED:
+            if isinstance(node.get(key), dict):
+                stack.append((f"{pointer}/{_escape(key)}", node[key]))
+        for key in _SCHEMA_MAPS:
+            sub = node.get(key)
+            if isinstance(sub, dict):
+                for name, child in sub.items():
+                    stack.append((f"{pointer}/{_escape(key)}/{_escape(str(name))}", child))
+        for key in _SCHEMA_LISTS:
+            sub = node.get(key)
+            if isinstance(sub, list):
+                for i, child in enumerate(sub):
+                    stack.append((f"{pointer}/{_escape(key)}/{i}", child))
+    return found[:MAX_WARNINGS]

@@ -1,0 +1,134 @@
+"""Assembles and runs the grammar service: gRPC server, health, reflection, metrics.
+
+Health is NOT_SERVING until the compile workers are up and the preload file
+is compiled; on SIGTERM it turns NOT_SERVING, stops accepting, and lets
+in-flight calls finish within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from grammar_svc import preload
+from grammar_svc.backend import GrammarBackend
+from grammar_svc.config import GrammarServiceConfig
+from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.metrics import GrammarMetrics
+from grammar_svc.servicer import GrammarServicer
+from grammar_svc.sessions import SessionLimiter
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
+from shared.grpc_options import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GrammarService"].full_name
+
+
+class GrammarServer:
+    """One grammar replica. `start` returns once it is SERVING; `stop` drains."""
+
+    def __init__(self, config: GrammarServiceConfig):
+        self.config = config
+        self.metrics = GrammarMetrics()
+        self.backend = GrammarBackend(
+            compile_workers=config.compile_workers, cache_bytes=config.cache_bytes,
+            max_spec_bytes=config.max_spec_bytes, default_timeout_seconds=config.compile_timeout_seconds,
+            metrics=self.metrics)
+        self.limiter = SessionLimiter(config.max_sessions, self.metrics)
+        self.filler = MaskFiller(config.fill_threads)
+        self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
+                                        config.max_tokens_per_step)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        c = self.config
+        pb_grpc.add_GrammarServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
+        if self.port == 0:
+            raise SystemExit(f"cannot listen on {c.host}:{c.port}")
+        await self.server.start()
+        if c.metrics_port:
+            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+        await self.backend.start()
+        if c.preload_file is not None:
+            await self._preload()
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("grammar service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
+
+    async def _set_health(self, status) -> None:
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+
+    async def _preload(self) -> None:
+        from shared.tokenizer import describe, load_hf_tokenizer
+
+        path = self.config.preload_tokenizer
+        tok = await asyncio.to_thread(load_hf_tokenizer, str(path) if path else None)
+        desc = await asyncio.to_thread(describe, tok, len(tok))
+        await asyncio.to_thread(self.backend.tokenizers.register, desc.fingerprint,
+                                desc.compressed_info(), desc.compressed_hf())
+        items = preload.read(self.config.preload_file)
+        ok = 0
+        for i, (line, spec) in enumerate(items, 1):
+            if isinstance(spec, Exception):
+                log.warning("preload line %d skipped: %s", line, spec)
+                continue
+            try:
+                await self.backend.compile(desc.fingerprint, spec)
+                ok += 1
+            except Exception as e:  # noqa: BLE001 - a bad preload line must not stop the replica
+                log.warning("preload line %d failed to compile: %s", line, e)
+            log.info("preload: %d/%d compiled", i, len(items))
+        log.info("preload done: %d of %d constraints compiled", ok, len(items))
+
+    async def _sweep_forever(self) -> None:
+        ttl = self.config.session_idle_ttl_seconds
+        while True:
+            await asyncio.sleep(min(max(ttl / 4, 0.05), 30.0))
+            expired = await asyncio.to_thread(self.limiter.sweep, ttl)
+            if expired:
+                log.info("expired %d idle sessions", expired)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        await self.backend.close()
+        self.servicer.close()
+        self.filler.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+async def serve(config: GrammarServiceConfig) -> None:
+    server = GrammarServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"grammar service listening on {config.host}:{server.port} "
+          f"(metrics http://{config.host}:{server.metrics_port}/metrics)", flush=True)
+    await stop.wait()
+    log.info("draining (grace %.1f s)", config.grace_seconds)
+    await server.stop()

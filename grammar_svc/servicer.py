@@ -1,0 +1,160 @@
+"""gRPC servicer: translates grammar.v1 messages to domain calls and back.
+
+No logic lives here beyond translation; errors go through shared.status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from grammar_svc.backend import GrammarBackend
+from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.metrics import GrammarMetrics
+from grammar_svc.sessions import SessionLimiter, StreamSessions
+from grammar_svc.spec import GrammarSpec, JsonOptions, Kind, Whitespace
+from grammar_svc.stepper import SessionOp, Status, Stepper
+from shared import status as status_map
+from shared.errors import InvalidGrammarError
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_WHITESPACE = {
+    pb.WHITESPACE_STYLE_UNSPECIFIED: Whitespace.COMPACT,
+    pb.WHITESPACE_STYLE_COMPACT: Whitespace.COMPACT,
+    pb.WHITESPACE_STYLE_INDENTED: Whitespace.INDENTED,
+    pb.WHITESPACE_STYLE_FLEXIBLE: Whitespace.FLEXIBLE,
+}
+
+_STATUS = {
+    Status.OK: pb.SESSION_STATUS_OK,
+    Status.TERMINATED: pb.SESSION_STATUS_TERMINATED,
+    Status.REJECTED: pb.SESSION_STATUS_REJECTED,
+    Status.CLOSED: pb.SESSION_STATUS_CLOSED,
+    Status.ERROR: pb.SESSION_STATUS_ERROR,
+}
+
+
+def json_options_from_proto(o: pb.JsonSchemaOptions) -> JsonOptions:
+    if o.whitespace not in _WHITESPACE:
+        raise InvalidGrammarError(f"unknown whitespace style {o.whitespace}")
+    d = JsonOptions()
+    return JsonOptions(
+        whitespace=_WHITESPACE[o.whitespace],
+        indent=o.indent or d.indent,
+        max_whitespace_count=o.max_whitespace_count or d.max_whitespace_count,
+        any_key_order=o.any_key_order,
+        lenient=o.lenient,
+    )
+
+
+def spec_from_proto(spec: pb.GrammarSpec) -> GrammarSpec:
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        raise InvalidGrammarError("spec has no kind set: set one of json_schema, regex, ebnf, choice, json_object, structural_tag")
+    if kind == "json_schema":
+        return GrammarSpec(Kind.JSON_SCHEMA, spec.json_schema.schema, json_options_from_proto(spec.json_schema.options))
+    if kind == "json_object":
+        return GrammarSpec(Kind.JSON_OBJECT, "", json_options_from_proto(spec.json_object.options))
+    if kind == "regex":
+        return GrammarSpec(Kind.REGEX, spec.regex)
+    if kind == "ebnf":
+        return GrammarSpec(Kind.EBNF, spec.ebnf.grammar, root_rule=spec.ebnf.root_rule or "root")
+    if kind == "choice":
+        return GrammarSpec.choice(list(spec.choice.choices))
+    return GrammarSpec(Kind.STRUCTURAL_TAG, spec.structural_tag)
+
+
+def op_from_proto(s: pb.SessionStep) -> SessionOp:
+    has_open = s.HasField("open")
+    return SessionOp(
+        session_id=s.session_id,
+        open_grammar_id=s.open.grammar_id if has_open else None,
+        terminate_without_stop_token=s.open.terminate_without_stop_token if has_open else False,
+        rollback_tokens=s.rollback_tokens,
+        accept_token_ids=s.accept_token_ids,
+        jump_forward=s.jump_forward,
+        skip_mask=s.skip_mask,
+        close=s.close,
+    )
+
+
+class GrammarServicer(pb_grpc.GrammarServiceServicer):
+    def __init__(self, backend: GrammarBackend, limiter: SessionLimiter, filler: MaskFiller,
+                 metrics: GrammarMetrics, max_tokens_per_step: int):
+        self.backend = backend
+        self.limiter = limiter
+        self.filler = filler
+        self.metrics = metrics
+        self.max_tokens_per_step = max_tokens_per_step
+        # Steps of different streams run concurrently; one stream's steps run in order.
+        self._step_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="structd-step")
+
+    async def RegisterTokenizer(self, request: pb.RegisterTokenizerRequest, context):
+        try:
+            tok, already = await asyncio.to_thread(
+                self.backend.tokenizers.register, request.tokenizer_fingerprint,
+                request.tokenizer_info_json_zlib, request.hf_tokenizer_json_zlib)
+        except Exception as e:  # noqa: BLE001 - mapped by the one status table
+            await status_map.abort(context, e)
+        return pb.RegisterTokenizerResponse(
+            tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size,
+            already_registered=already, jump_forward_supported=tok.hf_tokenizer is not None)
+
+    async def Compile(self, request: pb.CompileRequest, context):
+        try:
+            if request.timeout_seconds < 0:
+                raise InvalidGrammarError("timeout_seconds must not be negative")
+            timeout = request.timeout_seconds
+            remaining = context.time_remaining()
+            if remaining is not None:
+                timeout = min(timeout, remaining) if timeout > 0 else min(remaining, self.backend.default_timeout_seconds)
+            result = await self.backend.compile(request.tokenizer_fingerprint, spec_from_proto(request.spec), timeout)
+        except Exception as e:  # noqa: BLE001
+            await status_map.abort(context, e)
+        entry = result.entry
+        return pb.CompileResponse(
+            grammar_id=entry.grammar_id, warnings=entry.warnings, cache_hit=result.cache_hit,
+            compile_duration_seconds=entry.duration_seconds, memory_bytes=entry.memory_bytes)
+
+    async def Step(self, request_iterator, context):
+        sessions = StreamSessions(self.limiter)
+        stepper = Stepper(self.backend, sessions, self.filler, self.metrics, self.max_tokens_per_step)
+        loop = asyncio.get_running_loop()
+        self.metrics.active_streams.inc()
+        try:
+            async for request in request_iterator:
+                ops = [op_from_proto(s) for s in request.sessions]
+                outcome = await loop.run_in_executor(self._step_pool, stepper.step, ops)
+                yield step_response(request.step_id, outcome)
+        except Exception as e:  # noqa: BLE001 - per-session errors never get here; this is a bug
+            await status_map.abort(context, e)
+        finally:
+            self.metrics.active_streams.dec()
+            sessions.close_all()
+
+    def close(self) -> None:
+        self._step_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def step_response(step_id: int, outcome) -> pb.StepResponse:
+    resp = pb.StepResponse(step_id=step_id, server_duration_seconds=outcome.server_seconds,
+                           fill_duration_seconds=outcome.fill_seconds)
+    add = resp.results.add
+    for r in outcome.results:
+        msg = add(session_id=r.session_id, status=_STATUS[r.status], accepted_count=r.accepted_count)
+        if r.mask is not None:
+            setattr(msg.mask, r.mask.field, r.mask.value)
+        if r.forced_token_ids:
+            msg.jump_forward.forced_text = r.forced_text
+            msg.jump_forward.forced_token_ids.extend(r.forced_token_ids)
+        if r.error is not None:
+            code, message = status_map.status_for(r.error)
+            msg.error_code = code.value[0]
+            msg.error_message = message
+    return resp

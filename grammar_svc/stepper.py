@@ -1,0 +1,138 @@
+"""Applies one step message to a stream's sessions: the grammar service's hot path.
+
+For each session, in message order: open, rollback, accept, jump-forward;
+then every row that wants a mask is filled in parallel and encoded; then
+closes. Failures are per session (a SessionOutcome with an error), never per
+step, so one bad request cannot fail the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Sequence
+
+from grammar_svc.backend import GrammarBackend
+from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.metrics import GrammarMetrics
+from grammar_svc.sessions import StreamSessions
+from shared.codec import EncodedMask, dedupe
+from shared.errors import InvalidRequestError
+
+
+class Status(Enum):
+    OK = 1
+    TERMINATED = 2
+    REJECTED = 3
+    CLOSED = 4
+    ERROR = 5
+
+
+@dataclass(slots=True)
+class SessionOp:
+    session_id: int
+    open_grammar_id: str | None = None
+    terminate_without_stop_token: bool = False
+    rollback_tokens: int = 0
+    accept_token_ids: Sequence[int] = ()
+    jump_forward: bool = False
+    skip_mask: bool = False
+    close: bool = False
+
+
+@dataclass(slots=True)
+class SessionOutcome:
+    session_id: int
+    status: Status = Status.OK
+    accepted_count: int = 0
+    mask: EncodedMask | None = None
+    forced_text: str = ""
+    forced_token_ids: list[int] = field(default_factory=list)
+    # Mapped to a status code by shared.status when the response is built.
+    error: Exception | None = None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    results: list[SessionOutcome]
+    server_seconds: float
+    fill_seconds: float
+
+
+class Stepper:
+    def __init__(self, backend: GrammarBackend, sessions: StreamSessions, filler: MaskFiller,
+                 metrics: GrammarMetrics, max_tokens_per_step: int):
+        self.backend = backend
+        self.sessions = sessions
+        self.filler = filler
+        self.metrics = metrics
+        self.max_tokens_per_step = max_tokens_per_step
+
+    def step(self, ops: Sequence[SessionOp]) -> StepOutcome:
+        start = time.perf_counter()
+        with self.sessions.lock:
+            results, to_fill, to_close = self._advance(ops)
+            fill_start = time.perf_counter()
+            filled = self.filler.fill(to_fill)
+            fill_seconds = time.perf_counter() - fill_start
+            for sid in to_close:
+                self.sessions.close(sid)
+        masks = dedupe([(index, enc, key) for index, enc, key, _ in filled])
+        observe_fill = self.metrics.mask_fill_duration.observe
+        observe_bytes = self.metrics.mask_bytes.labels
+        for (index, _, _, seconds), enc in zip(filled, masks):
+            results[index].mask = enc
+            observe_fill(seconds)
+            observe_bytes(enc.field).observe(enc.wire_bytes)
+        server_seconds = time.perf_counter() - start
+        self.metrics.step_duration.observe(server_seconds)
+        self.metrics.step_sessions.observe(len(ops))
+        return StepOutcome(results, server_seconds, fill_seconds)
+
+    def _advance(self, ops: Sequence[SessionOp]):
+        results: list[SessionOutcome] = []
+        to_fill = []
+        to_close: list[int] = []
+        seen: set[int] = set()
+        for index, op in enumerate(ops):
+            out = SessionOutcome(op.session_id)
+            results.append(out)
+            try:
+                if op.session_id in seen:
+                    raise InvalidRequestError(f"session {op.session_id} appears twice in one step")
+                seen.add(op.session_id)
+                if len(op.accept_token_ids) > self.max_tokens_per_step:
+                    raise InvalidRequestError(
+                        f"{len(op.accept_token_ids)} tokens in one step exceed the limit of {self.max_tokens_per_step}"
+                    )
+                if op.open_grammar_id:
+                    session = self.sessions.open(op.session_id, self.backend.lookup(op.open_grammar_id),
+                                                 op.terminate_without_stop_token)
+                else:
+                    session = self.sessions.get(op.session_id)
+                if op.rollback_tokens:
+                    session.rollback(op.rollback_tokens)
+                out.accepted_count = session.accept(op.accept_token_ids)
+                if out.accepted_count < len(op.accept_token_ids):
+                    out.status = Status.REJECTED
+                    self.metrics.session_events.labels("rejected").inc()
+                elif op.jump_forward and not op.close and not session.is_terminated:
+                    out.forced_text, out.forced_token_ids = session.jump_forward()
+                    if out.forced_token_ids:
+                        self.metrics.jump_forward_tokens.inc(len(out.forced_token_ids))
+            except Exception as e:  # noqa: BLE001 - one session's failure must not fail the step
+                out.status = Status.ERROR
+                out.error = e
+                self.metrics.session_events.labels("error").inc()
+                continue
+            if op.close:
+                to_close.append(op.session_id)
+                if out.status is Status.OK:
+                    out.status = Status.CLOSED
+            elif out.status is Status.OK:
+                if session.is_terminated:
+                    out.status = Status.TERMINATED
+                elif not op.skip_mask:
+                    to_fill.append((index, session))
+        return results, to_fill, to_close

@@ -1,0 +1,1 @@
+"""structd inference service (continuous batching engine; see issue 3)."""

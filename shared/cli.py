@@ -1,0 +1,84 @@
+"""The `structd` command line: one console script, one subcommand per tool."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_grammar(args: argparse.Namespace) -> int:
+    from grammar_svc import config as gconfig
+    from grammar_svc.server import serve
+
+    cfg = gconfig.from_args(args)
+    _setup_logging(cfg.log_level)
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from shared.up import run_up
+
+    _setup_logging(args.log_level)
+    return run_up(args)
+
+
+def _cmd_bench_grammar(args: argparse.Namespace) -> int:
+    from grammar_svc.bench import run_bench
+
+    _setup_logging(args.log_level)
+    return run_bench(args)
+
+
+def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
+    from grammar_svc import config as gconfig
+
+    parser = argparse.ArgumentParser(prog="structd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("grammar", help="run the grammar service",
+                       description="Run one grammar service replica (gRPC grammar.v1.GrammarService).")
+    gconfig.add_arguments(p, env)
+    p.set_defaults(func=_cmd_grammar)
+
+    p = sub.add_parser("up", help="run the services locally until SIGINT/SIGTERM",
+                       description="Start grammar replica(s) locally, print where they listen once SERVING, "
+                                   "stop them cleanly on SIGINT/SIGTERM.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grammar-port", type=int, default=50052)
+    p.add_argument("--grammar-metrics-port", type=int, default=9402)
+    p.add_argument("--grammar-replicas", type=int, default=1,
+                   help="replicas take consecutive ports from --grammar-port and --grammar-metrics-port")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_up)
+
+    bench = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    p = bsub.add_parser("grammar", help="grammar service: fill time, step round trip, wire bytes, compile time")
+    from grammar_svc.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(p)
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_cmd_bench_grammar)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser(dict(os.environ))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

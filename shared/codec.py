@@ -1,0 +1,203 @@
+"""Token-mask wire codec: packed bitmask rows <-> grammar.v1.TokenMask.
+
+A mask row is xgrammar's layout: ceil(V/32) int32 words, bit (id % 32) of
+word (id // 32) set when token id is allowed. On the wire each row goes as
+the smallest of: the dense words, the allowed ids, the disallowed ids (both
+as delta-coded LEB128 varints), or a reference to an identical row earlier in
+the same message. Everything here is vectorised numpy, because it runs on
+every row of every step on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Three 7-bit groups cover every id below 2**21; larger vocabularies are
+# rejected rather than silently mis-coded.
+MAX_VOCAB_SIZE = 1 << 21
+
+DENSE = "dense_words"
+ALLOWED = "allowed_ids_varint"
+DISALLOWED = "disallowed_ids_varint"
+SAME_AS = "same_as_index"
+
+
+class MaskDecodeError(ValueError):
+    """A TokenMask that cannot be a valid mask for this vocabulary."""
+
+
+def words_for_vocab(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def encode_ids(ids: np.ndarray) -> bytes:
+    """Sorted, strictly increasing ids -> delta-coded LEB128 bytes."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return b""
+    v = np.diff(ids, prepend=-1) - 1
+    nbytes = 1 + (v >= 1 << 7).astype(np.int64) + (v >= 1 << 14)
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    out[starts] = (v & 0x7F) | ((nbytes > 1) << 7)
+    two = nbytes >= 2
+    out[starts[two] + 1] = ((v[two] >> 7) & 0x7F) | ((nbytes[two] > 2) << 7)
+    three = nbytes == 3
+    out[starts[three] + 2] = (v[three] >> 14) & 0x7F
+    return out.tobytes()
+
+
+def decode_ids(data: bytes, vocab_size: int) -> np.ndarray:
+    """Inverse of encode_ids, validated against vocab_size."""
+    if not data:
+        return np.empty(0, dtype=np.int64)
+    b = np.frombuffer(data, dtype=np.uint8)
+    if b[-1] & 0x80:
+        raise MaskDecodeError("truncated varint in token id list")
+    ends = np.flatnonzero(b < 0x80)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if lengths.max() > 3:
+        raise MaskDecodeError("token id delta longer than 3 bytes")
+    v = (b[starts] & 0x7F).astype(np.int64)
+    two = lengths >= 2
+    v[two] |= (b[starts[two] + 1] & 0x7F).astype(np.int64) << 7
+    three = lengths == 3
+    v[three] |= (b[starts[three] + 2] & 0x7F).astype(np.int64) << 14
+    ids = np.cumsum(v + 1) - 1
+    if ids[-1] >= vocab_size:
+        raise MaskDecodeError(f"token id {int(ids[-1])} outside vocabulary of {vocab_size}")
+    return ids
+
+
+def _bits_to_ids(words: np.ndarray) -> np.ndarray:
+    """Set bit positions of a uint32 word array, looking only at non-zero words."""
+    nz = np.flatnonzero(words)
+    if nz.size == 0:
+        return np.empty(0, dtype=np.int64)
+    bits = np.unpackbits(words[nz].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    rows, cols = np.nonzero(bits)
+    return nz[rows].astype(np.int64) * 32 + cols
+
+
+@dataclass(frozen=True)
+class EncodedMask:
+    """One row's wire form: (oneof field name, value)."""
+
+    field: str
+    value: bytes | int
+
+    @property
+    def wire_bytes(self) -> int:
+        return len(self.value) if isinstance(self.value, bytes) else 4
+
+
+class MaskEncoder:
+    """Encodes rows of a packed bitmask for one vocabulary size."""
+
+    def __init__(self, vocab_size: int):
+        if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be in 1..{MAX_VOCAB_SIZE}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.num_words = words_for_vocab(vocab_size)
+        # Bits past vocab_size in the last word are padding: never "allowed",
+        # never counted as "disallowed".
+        valid = np.full(self.num_words, 0xFFFFFFFF, dtype=np.uint32)
+        tail = vocab_size % 32
+        if tail:
+            valid[-1] = (1 << tail) - 1
+        self._valid = valid
+        self.dense_bytes = self.num_words * 4
+
+    def encode_row(self, row: np.ndarray) -> EncodedMask:
+        """The smallest self-contained encoding of one int32/uint32 row."""
+        words = row.view(np.uint32) & self._valid
+        allowed = int(np.bitwise_count(words).sum(dtype=np.int64))
+        disallowed = self.vocab_size - allowed
+        # A varint list costs at least one byte per id: skip the list work
+        # when even that would not beat the dense words.
+        if min(allowed, disallowed) < self.dense_bytes:
+            if allowed <= disallowed:
+                enc = EncodedMask(ALLOWED, encode_ids(_bits_to_ids(words)))
+            else:
+                enc = EncodedMask(DISALLOWED, encode_ids(_bits_to_ids(~words & self._valid)))
+            if enc.wire_bytes < self.dense_bytes:
+                return enc
+        return EncodedMask(DENSE, words.tobytes())
+
+    def encode_batch(self, bitmask: np.ndarray) -> list[EncodedMask]:
+        """Encodes each row of an (n, num_words) array; repeated rows become references."""
+        rows = np.ascontiguousarray(bitmask)
+        return dedupe([(i, self.encode_row(r), r.tobytes()) for i, r in enumerate(rows)])
+
+
+def dedupe(encoded: list[tuple[int, EncodedMask, bytes]]) -> list[EncodedMask]:
+    """For (result index, encoding, row bytes) triples, replaces each row identical
+    to an earlier one by a same_as reference to that earlier result index."""
+    out: list[EncodedMask] = []
+    first: dict[bytes, int] = {}
+    for index, enc, key in encoded:
+        j = first.setdefault(key, index)
+        out.append(enc if j == index else EncodedMask(SAME_AS, j))
+    return out
+
+
+class MaskDecoder:
+    """Decodes wire masks straight into rows of a preallocated int32 bitmask."""
+
+    def __init__(self, vocab_size: int):
+        if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be in 1..{MAX_VOCAB_SIZE}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.num_words = words_for_vocab(vocab_size)
+        self._encoder_valid = MaskEncoder(vocab_size)._valid
+
+    def decode_into(self, field: str, value, out_row: np.ndarray, rows_so_far: list[np.ndarray]) -> None:
+        """Writes one mask into out_row (int32, at least num_words long).
+
+        rows_so_far holds the rows already decoded from the same message, in
+        result order, for same_as references. Words past num_words (a model
+        vocabulary larger than the tokenizer's) are cleared: disallowed.
+        """
+        row = out_row.view(np.uint32)
+        if row.shape[0] > self.num_words:
+            row[self.num_words:] = 0
+            row = row[: self.num_words]
+        if field == DENSE:
+            if len(value) != self.num_words * 4:
+                raise MaskDecodeError(f"dense mask has {len(value)} bytes, expected {self.num_words * 4}")
+            row[:] = np.frombuffer(value, dtype=np.uint32)
+        elif field == ALLOWED:
+            row[:] = 0
+            self._set_bits(row, decode_ids(value, self.vocab_size), 1)
+        elif field == DISALLOWED:
+            row[:] = self._encoder_valid
+            self._set_bits(row, decode_ids(value, self.vocab_size), 0)
+        elif field == SAME_AS:
+            if not 0 <= value < len(rows_so_far) or rows_so_far[value] is None:
+                raise MaskDecodeError(f"same_as_index {value} does not name an earlier mask")
+            row[:] = rows_so_far[value].view(np.uint32)[: self.num_words]
+        else:
+            raise MaskDecodeError(f"mask has no encoding set ({field!r})")
+
+    @staticmethod
+    def _set_bits(row: np.ndarray, ids: np.ndarray, value: int) -> None:
+        if ids.size == 0:
+            return
+        word = ids >> 5
+        bit = (np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32)
+        if value:
+            np.bitwise_or.at(row, word, bit)
+        else:
+            np.bitwise_and.at(row, word, ~bit)
+
+
+def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Allowed token ids of one packed row (tests, debugging)."""
+    words = np.ascontiguousarray(row).view(np.uint32)[: words_for_vocab(vocab_size)] & MaskEncoder(vocab_size)._valid
+    return _bits_to_ids(words)

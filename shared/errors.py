@@ -1,0 +1,42 @@
+"""Domain errors shared by both services.
+
+Code raises these; `shared.status` is the one place that turns them into gRPC
+status codes. Messages are written for the user who sent the request: they
+say what was wrong and what to do.
+"""
+
+
+class StructdError(Exception):
+    """Base of every error a client may see with its message."""
+
+
+class InvalidRequestError(StructdError):
+    """Malformed or contradictory request fields."""
+
+
+class InvalidGrammarError(InvalidRequestError):
+    """A constraint that does not parse or cannot be satisfied."""
+
+
+class LimitExceededError(StructdError):
+    """A configured size or count limit (spec bytes, live sessions, queue)."""
+
+
+class CompileTimeoutError(StructdError):
+    """Compilation outlived its deadline and was stopped."""
+
+
+class UnknownTokenizerError(StructdError):
+    """A tokenizer fingerprint this replica was never given."""
+
+
+class NotFoundError(StructdError):
+    """A grammar id or session id this replica does not hold."""
+
+
+class UnavailableError(StructdError):
+    """The service is draining or a dependency is down: retry elsewhere."""
+
+
+class CancelledError(StructdError):
+    """The caller went away or the request was cancelled."""

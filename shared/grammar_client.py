@@ -1,0 +1,94 @@
+"""Asyncio client for the grammar service (used by the inference service, tests and benchmarks)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import grpc
+import numpy as np
+
+from shared.codec import MaskDecoder
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
+from shared.grpc_options import CHANNEL_OPTIONS
+from shared.tokenizer import TokenizerDescription
+
+
+class StepStream:
+    """One bidirectional step stream. write() and read() may be split to overlap work."""
+
+    def __init__(self, call):
+        self._call = call
+        self._next_step_id = 0
+
+    async def write(self, sessions: Sequence[pb.SessionStep]) -> int:
+        self._next_step_id += 1
+        await self._call.write(pb.StepRequest(step_id=self._next_step_id, sessions=sessions))
+        return self._next_step_id
+
+    async def read(self) -> pb.StepResponse:
+        resp = await self._call.read()
+        if resp is grpc.aio.EOF:
+            raise ConnectionError("grammar step stream ended")
+        return resp
+
+    async def step(self, sessions: Sequence[pb.SessionStep]) -> pb.StepResponse:
+        await self.write(sessions)
+        return await self.read()
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrammarClient:
+    def __init__(self, target: str, channel: grpc.aio.Channel | None = None):
+        self.target = target
+        self.channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.GrammarServiceStub(self.channel)
+
+    async def register_tokenizer(self, desc: TokenizerDescription, timeout: float = 60.0) -> pb.RegisterTokenizerResponse:
+        """Sends the tokenizer only when the replica does not know its fingerprint yet."""
+        try:
+            return await self.stub.RegisterTokenizer(
+                pb.RegisterTokenizerRequest(tokenizer_fingerprint=desc.fingerprint), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        return await self.stub.RegisterTokenizer(
+            pb.RegisterTokenizerRequest(tokenizer_fingerprint=desc.fingerprint,
+                                        tokenizer_info_json_zlib=desc.compressed_info(),
+                                        hf_tokenizer_json_zlib=desc.compressed_hf()),
+            timeout=timeout)
+
+    async def compile(self, fingerprint: str, spec: pb.GrammarSpec, timeout_seconds: float = 0.0,
+                      rpc_timeout: float | None = None) -> pb.CompileResponse:
+        return await self.stub.Compile(
+            pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds),
+            timeout=rpc_timeout)
+
+    def open_stream(self) -> StepStream:
+        return StepStream(self.stub.Step())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def decode_masks(resp: pb.StepResponse, decoder: MaskDecoder, bitmask: np.ndarray,
+                 rows: Sequence[int] | None = None) -> list[int]:
+    """Decodes every mask of a step response into bitmask rows (rows[i] for result i;
+    default i). Returns the indices of the results that carried a mask."""
+    decoded: list[np.ndarray | None] = []
+    with_mask = []
+    for i, r in enumerate(resp.results):
+        field = r.mask.WhichOneof("encoding")
+        if field is None:
+            decoded.append(None)
+            continue
+        row = bitmask[rows[i] if rows is not None else i]
+        decoder.decode_into(field, getattr(r.mask, field), row, decoded)
+        decoded.append(row)
+        with_mask.append(i)
+    return with_mask

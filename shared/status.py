@@ -1,0 +1,45 @@
+"""The one table that maps exceptions to gRPC status codes.
+
+Servicers call `abort` (or `status_for`) with whatever they caught; nothing
+else in the code base chooses a status code. Exceptions that are not
+`StructdError`s are bugs: the client gets INTERNAL with an incident id, the
+traceback goes to the log, never to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from shared import errors
+
+log = logging.getLogger(__name__)
+
+STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
+    errors.InvalidGrammarError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.CompileTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.UnknownTokenizerError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    errors.CancelledError: grpc.StatusCode.CANCELLED,
+}
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """(status code, client-facing message) for an exception."""
+    for cls in type(exc).__mro__:
+        code = STATUS_TABLE.get(cls)
+        if code is not None:
+            return code, str(exc)
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s", incident, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log"
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException):
+    code, message = status_for(exc)
+    await context.abort(code, message)
