@@ -45,8 +45,9 @@ class GrammarServer:
         self.filler = MaskFiller(config.fill_threads)
         self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
                                         config.max_tokens_per_step)
-        self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        # Created in start(): grpc.aio objects bind to the running event loop.
+        self.health: health.aio.HealthServicer | None = None
+        self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
         self._metrics_http = None
@@ -54,6 +55,8 @@ class GrammarServer:
 
     async def start(self) -> None:
         c = self.config
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_GrammarServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

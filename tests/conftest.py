@@ -1,0 +1,137 @@
+"""Shared fixtures: each real service starts once per test session.
+
+The grammar server runs in-process on its own event loop thread (so tests can
+look at its internals, e.g. killed compile workers) and is reached over real
+gRPC on loopback. Tests talk to it with the asyncio client through `run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from grammar_svc.config import GrammarServiceConfig
+from grammar_svc.server import GrammarServer
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+IN_CI = os.environ.get("STRUCTD_CI") == "1"
+
+
+def require_tool(name: str) -> str:
+    """Path of an external tool; skips (or fails in CI, where it must be installed) without it."""
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (Debian package; .ci/run installs it)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def shared_data(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_file():
+        msg = f"reference data {path} is missing"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def load_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ServerThread:
+    """A GrammarServer on a private event loop in a daemon thread."""
+
+    def __init__(self, config: GrammarServiceConfig):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="grammar-server")
+        self._thread.start()
+        self.server = GrammarServer(config)
+        self.call(self.server.start())
+
+    def call(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        self.call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def start_grammar_server(**overrides) -> ServerThread:
+    cfg = dict(host="127.0.0.1", port=0, metrics_port=0, compile_workers=2, fill_threads=2,
+               session_idle_ttl_seconds=600.0)
+    cfg.update(overrides)
+    return ServerThread(GrammarServiceConfig(**cfg))
+
+
+@pytest.fixture(scope="session")
+def grammar_server():
+    srv = start_grammar_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_desc():
+    from shared.tokenizer import default_description
+
+    return default_description()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    from shared.tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def xgr_tokenizer_info(tokenizer_desc):
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.deserialize_json(tokenizer_desc.info_json)
+
+
+def run(coro):
+    """Runs a coroutine to completion on a fresh loop in the test's thread."""
+    return asyncio.run(coro)
+
+
+@dataclass
+class Grammar:
+    """Handle for tests: a registered tokenizer on the session's server."""
+
+    target: str
+    fingerprint: str
+    vocab_size: int
+
+
+@pytest.fixture(scope="session")
+def registered(grammar_server, tokenizer_desc) -> Grammar:
+    from shared.grammar_client import GrammarClient
+
+    async def go():
+        client = GrammarClient(grammar_server.target)
+        try:
+            await client.register_tokenizer(tokenizer_desc)
+        finally:
+            await client.close()
+
+    run(go())
+    return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
