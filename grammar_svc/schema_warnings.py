@@ -24,11 +24,11 @@ IGNORED_KEYWORDS: dict[str, str] = {
     "dependencies": "dependencies is ignored",
     "dependentRequired": "dependentRequired is ignored",
     "dependentSchemas": "dependentSchemas is ignored",
-    "unevaluatedProperties": "unevaluatedProperties is ignored",
-    "unevaluatedItems": "unevaluatedItems is ignored",
+    "unevaluatedProperties": "unevaluatedProperties is approximated: a schema applies like additionalProperties, `false` is ignored",
+    "unevaluatedItems": "unevaluatedItems is approximated: it applies like items, blind to items that subschemas evaluate",
     "additionalItems": "additionalItems is ignored",
-    "contains": "contains is approximated: only an empty array is generated, which the schema rejects",
-    "minContains": "minContains is not enforced",
+    "contains": "contains is not enforced: with items, any array of them is allowed; without, only an empty array, which the schema rejects",
+    "minContains": "minContains is applied as minItems: shorter arrays are rejected, what they contain is not checked",
     "maxContains": "maxContains is not enforced",
 }
 
