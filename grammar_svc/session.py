@@ -33,13 +33,19 @@ class GrammarSession:
     def vocab_size(self) -> int:
         return self.entry.tokenizer.vocab_size
 
-    def accept(self, token_ids) -> int:
-        """Accepts tokens in order; returns how many were accepted before a rejection."""
+    def check_tokens(self, token_ids) -> None:
+        """Raises InvalidRequestError if any id is outside the vocabulary (before anything is applied)."""
         vocab = self.vocab_size
-        matcher = self.matcher
-        for i, tok in enumerate(token_ids):
+        for tok in token_ids:
             if not 0 <= tok < vocab:
                 raise InvalidRequestError(f"token id {tok} is outside the vocabulary (0..{vocab - 1})")
+
+    def accept(self, token_ids) -> int:
+        """Accepts tokens in order; returns how many were accepted before a rejection.
+        An id outside the vocabulary fails the call before any token is accepted."""
+        self.check_tokens(token_ids)
+        matcher = self.matcher
+        for i, tok in enumerate(token_ids):
             if not matcher.accept_token(tok):
                 return i
             self.num_accepted += 1

@@ -98,6 +98,7 @@ class Stepper:
         for index, op in enumerate(ops):
             out = SessionOutcome(op.session_id)
             results.append(out)
+            opened = False
             try:
                 if op.session_id in seen:
                     raise InvalidRequestError(f"session {op.session_id} appears twice in one step")
@@ -109,8 +110,12 @@ class Stepper:
                 if op.open_grammar_id:
                     session = self.sessions.open(op.session_id, self.backend.lookup(op.open_grammar_id),
                                                  op.terminate_without_stop_token)
+                    opened = True
                 else:
                     session = self.sessions.get(op.session_id)
+                # An ERROR result means nothing of the step was applied: check
+                # the tokens before rolling back.
+                session.check_tokens(op.accept_token_ids)
                 if op.rollback_tokens:
                     session.rollback(op.rollback_tokens)
                 out.accepted_count = session.accept(op.accept_token_ids)
@@ -122,6 +127,9 @@ class Stepper:
                     if out.forced_token_ids:
                         self.metrics.jump_forward_tokens.inc(len(out.forced_token_ids))
             except Exception as e:  # noqa: BLE001 - one session's failure must not fail the step
+                if opened:
+                    # The client sees an error, not an open session: do not keep it.
+                    self.sessions.close(op.session_id)
                 out.status = Status.ERROR
                 out.error = e
                 self.metrics.session_events.labels("error").inc()
