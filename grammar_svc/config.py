@@ -25,6 +25,8 @@ class GrammarServiceConfig:
     max_sessions: int = 4096
     session_idle_ttl_seconds: float = 600.0
     max_tokens_per_step: int = 4096
+    # Upper bound on a stream's mask cache (16 KB per slot on each side at 129k tokens).
+    max_mask_cache_slots: int = 1024
     preload_file: Path | None = None
     # Tokenizer directory the preload file is compiled for (None: the embedded default).
     preload_tokenizer: Path | None = None
@@ -67,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     parser.add_argument("--cache-bytes", type=int, default=env_default("cache_bytes", d.cache_bytes))
     parser.add_argument("--max-spec-bytes", type=int, default=env_default("max_spec_bytes", d.max_spec_bytes))
     parser.add_argument("--max-sessions", type=int, default=env_default("max_sessions", d.max_sessions))
+    parser.add_argument("--max-mask-cache-slots", type=int,
+                        default=env_default("max_mask_cache_slots", d.max_mask_cache_slots),
+                        help="upper bound on the per-stream mask cache the client may ask for")
     parser.add_argument("--session-idle-ttl-seconds", type=float,
                         default=env_default("session_idle_ttl_seconds", d.session_idle_ttl_seconds))
     parser.add_argument("--preload-file", type=Path, default=env.get(ENV_PREFIX + "PRELOAD_FILE"),
@@ -88,6 +93,7 @@ def from_args(args: argparse.Namespace) -> GrammarServiceConfig:
         cache_bytes=args.cache_bytes,
         max_spec_bytes=args.max_spec_bytes,
         max_sessions=args.max_sessions,
+        max_mask_cache_slots=args.max_mask_cache_slots,
         session_idle_ttl_seconds=args.session_idle_ttl_seconds,
         preload_file=Path(args.preload_file) if args.preload_file else None,
         preload_tokenizer=Path(args.preload_tokenizer) if args.preload_tokenizer else None,

@@ -44,7 +44,7 @@ class GrammarServer:
         self.limiter = SessionLimiter(config.max_sessions, self.metrics)
         self.filler = MaskFiller(config.fill_threads)
         self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
-                                        config.max_tokens_per_step)
+                                        config.max_tokens_per_step, config.max_mask_cache_slots)
         # Created in start(): grpc.aio objects bind to the running event loop.
         self.health: health.aio.HealthServicer | None = None
         self.server: grpc.aio.Server | None = None

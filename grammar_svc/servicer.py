@@ -86,12 +86,13 @@ def op_from_proto(s: pb.SessionStep) -> SessionOp:
 
 class GrammarServicer(pb_grpc.GrammarServiceServicer):
     def __init__(self, backend: GrammarBackend, limiter: SessionLimiter, filler: MaskFiller,
-                 metrics: GrammarMetrics, max_tokens_per_step: int):
+                 metrics: GrammarMetrics, max_tokens_per_step: int, max_mask_cache_slots: int):
         self.backend = backend
         self.limiter = limiter
         self.filler = filler
         self.metrics = metrics
         self.max_tokens_per_step = max_tokens_per_step
+        self.max_mask_cache_slots = max_mask_cache_slots
         # Steps of different streams run concurrently; one stream's steps run in order.
         self._step_pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="structd-step")
 
@@ -128,7 +129,11 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
         loop = asyncio.get_running_loop()
         self.metrics.active_streams.inc()
         try:
+            first = True
             async for request in request_iterator:
+                if first:
+                    stepper.enable_mask_cache(min(request.mask_cache_slots, self.max_mask_cache_slots))
+                    first = False
                 ops = [op_from_proto(s) for s in request.sessions]
                 outcome = await loop.run_in_executor(self._step_pool, stepper.step, ops)
                 yield step_response(request.step_id, outcome)
@@ -150,6 +155,8 @@ def step_response(step_id: int, outcome) -> pb.StepResponse:
         msg = add(session_id=r.session_id, status=_STATUS[r.status], accepted_count=r.accepted_count)
         if r.mask is not None:
             setattr(msg.mask, r.mask.field, r.mask.value)
+            if r.mask.store_slot is not None:
+                msg.mask.store_slot = r.mask.store_slot
         if r.forced_token_ids:
             msg.jump_forward.forced_text = r.forced_text
             msg.jump_forward.forced_token_ids.extend(r.forced_token_ids)

@@ -17,7 +17,7 @@ from grammar_svc.backend import GrammarBackend
 from grammar_svc.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.sessions import StreamSessions
-from shared.codec import EncodedMask, dedupe
+from shared.codec import EncodedMask, StreamMaskCache, assign_wire_forms
 from shared.errors import InvalidRequestError
 
 
@@ -68,22 +68,28 @@ class Stepper:
         self.filler = filler
         self.metrics = metrics
         self.max_tokens_per_step = max_tokens_per_step
+        # Set from the stream's first request (StepRequest.mask_cache_slots).
+        self.mask_cache: StreamMaskCache | None = None
+
+    def enable_mask_cache(self, slots: int) -> None:
+        if slots > 0 and self.mask_cache is None:
+            self.mask_cache = StreamMaskCache(slots)
 
     def step(self, ops: Sequence[SessionOp]) -> StepOutcome:
         start = time.perf_counter()
         with self.sessions.lock:
             results, to_fill, to_close = self._advance(ops)
             fill_start = time.perf_counter()
-            filled = self.filler.fill(to_fill)
+            filled = self.filler.fill(to_fill, self.mask_cache)
             fill_seconds = time.perf_counter() - fill_start
+            masks = assign_wire_forms([row[:4] for row in filled], self.mask_cache)
             for sid in to_close:
                 self.sessions.close(sid)
-        masks = dedupe([(index, enc, key) for index, enc, key, _ in filled])
         observe_fill = self.metrics.mask_fill_duration.observe
         observe_bytes = self.metrics.mask_bytes.labels
-        for (index, _, _, seconds), enc in zip(filled, masks):
-            results[index].mask = enc
-            observe_fill(seconds)
+        for row, enc in zip(filled, masks):
+            results[row[0]].mask = enc
+            observe_fill(row[4])
             observe_bytes(enc.field).observe(enc.wire_bytes)
         server_seconds = time.perf_counter() - start
         self.metrics.step_duration.observe(server_seconds)

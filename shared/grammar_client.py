@@ -13,17 +13,31 @@ from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
 from shared.grpc_options import CHANNEL_OPTIONS
 from shared.tokenizer import TokenizerDescription
 
+# 256 slots hold 4 MB of masks at 129k tokens: enough for the masks that recur
+# (string interiors, separators) across a batch.
+DEFAULT_MASK_CACHE_SLOTS = 256
+
 
 class StepStream:
-    """One bidirectional step stream. write() and read() may be split to overlap work."""
+    """One bidirectional step stream. write() and read() may be split to overlap work.
 
-    def __init__(self, call):
+    With mask_cache_slots > 0 the server may send masks as references to
+    masks it asked this client to keep: decode every response of the stream,
+    in order, with `self.decoder` (one per stream).
+    """
+
+    def __init__(self, call, vocab_size: int, mask_cache_slots: int):
         self._call = call
         self._next_step_id = 0
+        self.mask_cache_slots = mask_cache_slots
+        self.decoder = MaskDecoder(vocab_size, mask_cache_slots)
 
     async def write(self, sessions: Sequence[pb.SessionStep]) -> int:
         self._next_step_id += 1
-        await self._call.write(pb.StepRequest(step_id=self._next_step_id, sessions=sessions))
+        req = pb.StepRequest(step_id=self._next_step_id, sessions=sessions)
+        if self._next_step_id == 1:
+            req.mask_cache_slots = self.mask_cache_slots
+        await self._call.write(req)
         return self._next_step_id
 
     async def read(self) -> pb.StepResponse:
@@ -69,8 +83,8 @@ class GrammarClient:
             pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds),
             timeout=rpc_timeout)
 
-    def open_stream(self) -> StepStream:
-        return StepStream(self.stub.Step())
+    def open_stream(self, vocab_size: int, mask_cache_slots: int = DEFAULT_MASK_CACHE_SLOTS) -> StepStream:
+        return StepStream(self.stub.Step(), vocab_size, mask_cache_slots)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -88,7 +102,8 @@ def decode_masks(resp: pb.StepResponse, decoder: MaskDecoder, bitmask: np.ndarra
             decoded.append(None)
             continue
         row = bitmask[rows[i] if rows is not None else i]
-        decoder.decode_into(field, getattr(r.mask, field), row, decoded)
+        store = r.mask.store_slot if r.mask.HasField("store_slot") else None
+        decoder.decode_into(field, getattr(r.mask, field), row, decoded, store)
         decoded.append(row)
         with_mask.append(i)
     return with_mask
