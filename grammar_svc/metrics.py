@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.metrics import BatchHistogram
+
 # Mask fills: a few microseconds typical, tens of milliseconds worst case.
 MASK_FILL_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
                      1e-2, 2.5e-2, 5e-2, 0.1)
@@ -40,7 +42,8 @@ class GrammarMetrics:
             "grammar_svc_active_sessions", "Open matcher sessions across all step streams.", registry=r)
         self.active_streams = Gauge(
             "grammar_svc_active_streams", "Open step streams (one per inference replica).", registry=r)
-        self.mask_fill_duration = Histogram(
+        # Per-row hot-path histograms take a whole step's values at once.
+        self.mask_fill_duration = BatchHistogram(
             "grammar_svc_mask_fill_duration_seconds", "Time to fill one token mask row.",
             buckets=MASK_FILL_BUCKETS, registry=r)
         self.step_duration = Histogram(
@@ -49,9 +52,9 @@ class GrammarMetrics:
         self.step_sessions = Histogram(
             "grammar_svc_step_sessions", "Sessions carried by one step message.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
-        self.mask_bytes = Histogram(
-            "grammar_svc_mask_bytes", "Bytes on the wire per token mask, by encoding.", ["encoding"],
-            buckets=MASK_BYTES_BUCKETS, registry=r)
+        self.mask_bytes = BatchHistogram(
+            "grammar_svc_mask_bytes", "Bytes on the wire per token mask, by encoding.",
+            buckets=MASK_BYTES_BUCKETS, labelnames=["encoding"], registry=r)
         self.jump_forward_tokens = Counter(
             "grammar_svc_jump_forward_tokens_total", "Tokens forced and accepted by jump-forward.", registry=r)
         self.session_events = Counter(

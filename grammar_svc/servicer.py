@@ -137,6 +137,7 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
                 ops = [op_from_proto(s) for s in request.sessions]
                 outcome = await loop.run_in_executor(self._step_pool, stepper.step, ops)
                 yield step_response(request.step_id, outcome)
+                stepper.observe(outcome)
         except Exception as e:  # noqa: BLE001 - per-session errors never get here; this is a bug
             await status_map.abort(context, e)
         finally:

@@ -58,6 +58,7 @@ class StepOutcome:
     results: list[SessionOutcome]
     server_seconds: float
     fill_seconds: float
+    row_fill_seconds: list[float]
 
 
 class Stepper:
@@ -85,16 +86,22 @@ class Stepper:
             masks = assign_wire_forms([row[:4] for row in filled], self.mask_cache)
             for sid in to_close:
                 self.sessions.close(sid)
-        observe_fill = self.metrics.mask_fill_duration.observe
-        observe_bytes = self.metrics.mask_bytes.labels
         for row, enc in zip(filled, masks):
             results[row[0]].mask = enc
-            observe_fill(row[4])
-            observe_bytes(enc.field).observe(enc.wire_bytes)
-        server_seconds = time.perf_counter() - start
-        self.metrics.step_duration.observe(server_seconds)
-        self.metrics.step_sessions.observe(len(ops))
-        return StepOutcome(results, server_seconds, fill_seconds)
+        return StepOutcome(results, time.perf_counter() - start, fill_seconds, [row[4] for row in filled])
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Records a step's metrics; called after its response is on its way."""
+        m = self.metrics
+        m.mask_fill_duration.observe_many(outcome.row_fill_seconds)
+        by_encoding: dict[str, list[int]] = {}
+        for r in outcome.results:
+            if r.mask is not None:
+                by_encoding.setdefault(r.mask.field, []).append(r.mask.wire_bytes)
+        for field, sizes in by_encoding.items():
+            m.mask_bytes.observe_many(sizes, field)
+        m.step_duration.observe(outcome.server_seconds)
+        m.step_sessions.observe(len(outcome.results))
 
     def _advance(self, ops: Sequence[SessionOp]):
         results: list[SessionOutcome] = []
