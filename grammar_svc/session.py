@@ -68,7 +68,12 @@ class GrammarSession:
         """Accepts the forced continuation, if any, and returns (text, token ids)."""
         text, ids = forced_tokens(self.matcher, self.entry.tokenizer, self.last_token)
         if ids:
-            self.accept(ids)
+            accepted = self.accept(ids)
+            if accepted < len(ids):
+                # The grammar disagrees with its own forced string: undo and
+                # let the model sample instead of reporting tokens not accepted.
+                self.rollback(accepted)
+                return "", []
         return text, ids
 
     def fill(self, bitmask, row: int) -> None:

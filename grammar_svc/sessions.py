@@ -24,7 +24,7 @@ class SessionLimiter:
         self.metrics = metrics
         self._count = 0
         self._lock = threading.Lock()
-        self.streams: set["StreamSessions"] = set()
+        self._streams: set["StreamSessions"] = set()
 
     @property
     def count(self) -> int:
@@ -46,10 +46,25 @@ class SessionLimiter:
                 self._count -= n
             self.metrics.active_sessions.dec(n)
 
+    @property
+    def streams(self) -> frozenset["StreamSessions"]:
+        with self._lock:
+            return frozenset(self._streams)
+
+    def add_stream(self, stream: "StreamSessions") -> None:
+        with self._lock:
+            self._streams.add(stream)
+
+    def remove_stream(self, stream: "StreamSessions") -> None:
+        with self._lock:
+            self._streams.discard(stream)
+
     def sweep(self, idle_ttl_seconds: float) -> int:
         """Closes sessions idle longer than the TTL in every stream."""
         cutoff = time.monotonic() - idle_ttl_seconds
-        return sum(stream.expire_idle(cutoff) for stream in list(self.streams))
+        with self._lock:
+            streams = list(self._streams)
+        return sum(stream.expire_idle(cutoff) for stream in streams)
 
 
 class StreamSessions:
@@ -60,7 +75,7 @@ class StreamSessions:
         self.lock = threading.Lock()
         self._sessions: dict[int, GrammarSession] = {}
         self._expired: set[int] = set()
-        limiter.streams.add(self)
+        limiter.add_stream(self)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -111,4 +126,4 @@ class StreamSessions:
             self.limiter.release(n)
             if n:
                 self.limiter.metrics.session_events.labels("stream_ended").inc(n)
-        self.limiter.streams.discard(self)
+        self.limiter.remove_stream(self)
