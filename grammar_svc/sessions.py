@@ -94,6 +94,14 @@ class StreamSessions:
         self.limiter.metrics.session_events.labels("opened").inc()
         return session
 
+    def expected_fill_seconds(self, session_ids, new_session_seconds: float = 20e-6) -> float:
+        sessions = self._sessions
+        total = 0.0
+        for sid in session_ids:
+            s = sessions.get(sid)
+            total += s.last_fill_seconds if s is not None else new_session_seconds
+        return total
+
     def get(self, session_id: int) -> GrammarSession:
         session = self._sessions.get(session_id)
         if session is None:

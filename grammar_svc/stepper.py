@@ -76,6 +76,11 @@ class Stepper:
         if slots > 0 and self.mask_cache is None:
             self.mask_cache = StreamMaskCache(slots)
 
+    def expected_fill_seconds(self, ops: Sequence[SessionOp]) -> float:
+        """Sum of the last fill times of the sessions a step names (new sessions count
+        as a typical row): what the step will cost, for choosing where to run it."""
+        return self.sessions.expected_fill_seconds(op.session_id for op in ops)
+
     def step(self, ops: Sequence[SessionOp]) -> StepOutcome:
         start = time.perf_counter()
         with self.sessions.lock:
