@@ -1,0 +1,205 @@
+"""Compile coverage and mask equality on real-world schemas (JSONSchemaBench).
+
+A deterministic subset of ../shared/data/jsonschemabench-sample.jsonl, four
+schemas from each of the ten datasets, is compiled through the service (with
+a per-schema compile deadline) and with xgrammar directly, with the options
+the service uses. The service must succeed exactly where xgrammar does;
+schemas that outlive the deadline are skipped and counted, not waited on.
+
+Then, for every schema both compiled, a seeded random walk samples allowed
+tokens from a local xgrammar matcher and sends each to a service session:
+at every position the service's mask must equal the local mask bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_svc.spec import JsonOptions
+from shared.codec import allowed_ids, words_for_vocab
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.grammar_client import GrammarClient, decode_masks
+from tests.conftest import load_jsonl, run, shared_data
+
+DATASETS = ("Github_easy", "Github_hard", "Github_medium", "Github_trivial", "Github_ultra",
+            "Glaiveai2K", "JsonSchemaStore", "Kubernetes", "Snowplow", "WashingtonPost")
+# Positions within each dataset (60 schemas each, in file order): every 15th.
+POSITIONS = (7, 22, 37, 52)
+COMPILE_TIMEOUT_SECONDS = 3.0
+WALK_TOKENS = 40
+# At least this many schemas must get a real comparison (not a deadline skip).
+# About 29 do on an idle 2-core machine: the deadline covers the compile and
+# shipping the compiled grammar back from the worker (tens of MB of JSON for
+# some schemas), so a loaded machine loses a few more.
+MIN_COMPARED = 20
+SEED = 2024
+
+
+@dataclass
+class Outcome:
+    dataset: str
+    name: str
+    schema_text: str
+    service: str  # "ok", "invalid", "timeout"
+    service_detail: str = ""
+    direct: str = ""  # "ok", "invalid", "" when not compiled directly (service timeout)
+    direct_detail: str = ""
+    grammar_id: str = ""
+    compiled: object = None
+
+
+def pick(rows: list[dict]) -> list[dict]:
+    """Deterministic subset, interleaved across datasets (so slow ones do not cluster)."""
+    by_ds: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_ds[r["dataset"]].append(r)
+    assert set(by_ds) == set(DATASETS)
+    return [by_ds[ds][p] for p in POSITIONS for ds in DATASETS]
+
+
+@pytest.fixture(scope="module")
+def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, int], Outcome]:
+    rows = pick(load_jsonl(shared_data("jsonschemabench-sample.jsonl")))
+    compiler = xgr.GrammarCompiler(xgr_tokenizer_info)
+    kwargs = JsonOptions().xgrammar_kwargs()
+    pool = grammar_server.server.backend.pool
+
+    async def idle_worker():
+        # A compile past its deadline kills its worker and a fresh one takes
+        # seconds to start; the deadline also counts waiting for a worker, so
+        # start each compile only once one is idle: every schema gets its
+        # full deadline of compile time.
+        deadline = time.monotonic() + 120
+        while pool._idle is None or pool._idle.qsize() == 0:
+            assert time.monotonic() < deadline, "no compile worker came back"
+            await asyncio.sleep(0.05)
+
+    async def service_compile(client, text):
+        spec = pb.GrammarSpec(json_schema=pb.JsonSchema(schema=text))
+        try:
+            resp = await client.compile(registered.fingerprint, spec, timeout_seconds=COMPILE_TIMEOUT_SECONDS,
+                                        rpc_timeout=COMPILE_TIMEOUT_SECONDS + 60)
+            return "ok", "", resp.grammar_id
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "timeout", e.details(), ""
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return "invalid", e.details(), ""
+            raise
+
+    async def go():
+        client = GrammarClient(registered.target)
+        out = {}
+        try:
+            # One at a time: a compile never waits for a worker another one holds.
+            for i, row in enumerate(rows):
+                text = json.dumps(row["schema"])
+                await idle_worker()
+                status, detail, gid = await service_compile(client, text)
+                o = Outcome(row["dataset"], row["name"], text, status, detail, grammar_id=gid)
+                if status != "timeout":
+                    # The service finished within the deadline, so xgrammar will too.
+                    try:
+                        o.compiled = compiler.compile_json_schema(text, **kwargs)
+                        o.direct = "ok"
+                    except Exception as e:  # noqa: BLE001 - any failure is "xgrammar refuses it"
+                        o.direct, o.direct_detail = "invalid", f"{type(e).__name__}: {e}"[:300]
+                out[(row["dataset"], POSITIONS[i // len(DATASETS)])] = o
+        finally:
+            await client.close()
+        return out
+
+    start = time.monotonic()
+    result = run(go())
+    counts = Counter((o.service, o.direct) for o in result.values())
+    print(f"\njsonschemabench subset: {len(result)} schemas in {time.monotonic() - start:.1f} s; "
+          f"(service, direct) outcomes: {dict(counts)}")
+    return result
+
+
+CASES = [pytest.param(ds, p, id=f"{ds}-{p}") for ds in DATASETS for p in POSITIONS]
+
+
+def outcome_or_skip(outcomes, dataset, position) -> Outcome:
+    o = outcomes[(dataset, position)]
+    if o.service == "timeout":
+        pytest.skip(f"{o.name}: compile exceeded {COMPILE_TIMEOUT_SECONDS:g} s on the service (counted, not compared)")
+    return o
+
+
+@pytest.mark.parametrize("dataset,position", CASES)
+def test_service_compiles_exactly_where_xgrammar_does(outcomes, dataset, position):
+    o = outcome_or_skip(outcomes, dataset, position)
+    assert o.service == o.direct, (
+        f"{o.name}: service {o.service} ({o.service_detail}) but xgrammar {o.direct} ({o.direct_detail})")
+    if o.service == "invalid":
+        # The message names the kind and says what is wrong.
+        assert o.service_detail.startswith("json_schema:") and len(o.service_detail) > len("json_schema: ")
+
+
+def test_enough_schemas_were_compared(outcomes):
+    compared = [o for o in outcomes.values() if o.service != "timeout"]
+    by_ds = Counter(o.dataset for o in compared)
+    print(f"\ncompared {len(compared)} of {len(outcomes)} schemas; per dataset: {dict(by_ds)}; "
+          f"compiled on both sides: {sum(o.service == 'ok' and o.direct == 'ok' for o in compared)}; "
+          f"refused on both sides: {sum(o.service == 'invalid' and o.direct == 'invalid' for o in compared)}")
+    assert len(compared) >= MIN_COMPARED
+    # The fast datasets must never be lost to the deadline.
+    assert by_ds["Github_trivial"] == by_ds["Glaiveai2K"] == len(POSITIONS)
+
+
+@pytest.mark.parametrize("dataset,position", CASES)
+def test_random_walk_masks_equal_xgrammar(registered, outcomes, dataset, position):
+    o = outcome_or_skip(outcomes, dataset, position)
+    if o.service != "ok":
+        pytest.skip(f"{o.name}: refused by both the service and xgrammar")
+    vocab = registered.vocab_size
+    rng = random.Random(f"{SEED}-{o.dataset}-{o.name}")
+    matcher = xgr.GrammarMatcher(o.compiled)
+    local_buf = xgr.allocate_token_bitmask(1, vocab)
+
+    def local_allowed() -> np.ndarray:
+        matcher.fill_next_token_bitmask(local_buf)
+        return allowed_ids(local_buf[0].numpy(), vocab)
+
+    async def go():
+        client = GrammarClient(registered.target)
+        stream = client.open_stream(vocab)
+        remote = np.zeros((1, words_for_vocab(vocab)), dtype=np.int32)
+        walked = 0
+        try:
+            ops = pb.SessionStep(session_id=1, open=pb.OpenSession(grammar_id=o.grammar_id))
+            while True:
+                resp = await stream.step([ops])
+                r = resp.results[0]
+                with_mask = decode_masks(resp, stream.decoder, remote)
+                if matcher.is_terminated():
+                    assert r.status == pb.SESSION_STATUS_TERMINATED, (o.name, walked, r)
+                    return walked
+                assert r.status == pb.SESSION_STATUS_OK and with_mask == [0], (o.name, walked, r)
+                expected = local_allowed()
+                got = allowed_ids(remote[0], vocab)
+                assert np.array_equal(got, expected), (
+                    f"{o.name}: mask differs after {walked} tokens: "
+                    f"{len(got)} allowed by the service, {len(expected)} by xgrammar")
+                if walked == WALK_TOKENS:
+                    return walked
+                token = int(rng.choice(expected))
+                assert matcher.accept_token(token)
+                walked += 1
+                ops = pb.SessionStep(session_id=1, accept_token_ids=[token])
+        finally:
+            await stream.close()
+            await client.close()
+
+    assert run(go()) >= 1
