@@ -74,13 +74,13 @@ def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, 
     kwargs = JsonOptions().xgrammar_kwargs()
     pool = grammar_server.server.backend.pool
 
-    async def idle_worker():
+    async def idle_worker(n: int = 1):
         # A compile past its deadline kills its worker and a fresh one takes
         # seconds to start; the deadline also counts waiting for a worker, so
         # start each compile only once one is idle: every schema gets its
         # full deadline of compile time.
         deadline = time.monotonic() + 120
-        while pool._idle is None or pool._idle.qsize() == 0:
+        while pool._idle is None or pool._idle.qsize() < n:
             assert time.monotonic() < deadline, "no compile worker came back"
             await asyncio.sleep(0.05)
 
@@ -115,6 +115,8 @@ def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, 
                     except Exception as e:  # noqa: BLE001 - any failure is "xgrammar refuses it"
                         o.direct, o.direct_detail = "invalid", f"{type(e).__name__}: {e}"[:300]
                 out[(row["dataset"], POSITIONS[i // len(DATASETS)])] = o
+            # Leave the shared server as found: every worker back and idle.
+            await idle_worker(pool._num_workers)
         finally:
             await client.close()
         return out
