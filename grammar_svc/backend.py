@@ -68,10 +68,17 @@ class GrammarBackend:
         if fut is None:
             fut = asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout))
             self._inflight[grammar_id] = fut
-            fut.add_done_callback(lambda _f: self._inflight.pop(grammar_id, None))
+            fut.add_done_callback(lambda f: self._compile_done(grammar_id, f))
         # shield: one caller cancelling must not cancel the compile others wait on.
         entry = await asyncio.shield(fut)
         return CompileResult(entry, False)
+
+    def _compile_done(self, grammar_id: str, fut: asyncio.Future) -> None:
+        self._inflight.pop(grammar_id, None)
+        # Waiters get the error re-raised; retrieving it here keeps a compile
+        # whose callers all went away from logging "exception never retrieved".
+        if not fut.cancelled():
+            fut.exception()
 
     async def _compile_once(self, tokenizer: RegisteredTokenizer, spec: GrammarSpec, grammar_id: str,
                             timeout: float) -> CompiledEntry:

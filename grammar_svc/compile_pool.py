@@ -66,6 +66,12 @@ class _Worker:
         self.conn.close()
 
 
+def _consume(task: asyncio.Future) -> None:
+    """Retrieves an abandoned job's outcome (the worker was killed under it)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class CompilePool:
     def __init__(self, num_workers: int):
         self._num_workers = num_workers
@@ -100,6 +106,9 @@ class CompilePool:
         try:
             reply = await asyncio.wait_for(asyncio.shield(task), remaining)
         except asyncio.TimeoutError:
+            # The killed worker's pipe read ends in EOFError: retrieve it, or
+            # asyncio logs "Task exception was never retrieved" per timeout.
+            task.add_done_callback(_consume)
             self._replace(worker)
             raise CompileTimeoutError(
                 f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped; "
@@ -110,6 +119,7 @@ class CompilePool:
             raise UnavailableError(f"compile worker died ({e!r}); retry") from None
         except asyncio.CancelledError:
             # The caller went away mid-compile: the worker's answer is stale.
+            task.add_done_callback(_consume)
             self._replace(worker)
             raise
         self._idle.put_nowait(worker)
