@@ -14,9 +14,11 @@ import time
 from dataclasses import dataclass
 
 from grammar_svc.cache import CompiledEntry, FailedEntry, GrammarCache
-from grammar_svc.compile_pool import CompilePool
+import xgrammar as xgr
+
+from grammar_svc.compile_pool import CompilePool, WorkersBusyError
 from grammar_svc.metrics import GrammarMetrics
-from grammar_svc.spec import GrammarSpec
+from grammar_svc.spec import GrammarSpec, compile_spec
 from grammar_svc.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry
 from shared.errors import CompileTimeoutError, InvalidGrammarError, LimitExceededError, NotFoundError, StructdError
 
@@ -34,7 +36,9 @@ class GrammarBackend:
                  default_timeout_seconds: float, metrics: GrammarMetrics):
         self.tokenizers = TokenizerRegistry()
         self.cache = GrammarCache(cache_bytes)
-        self.pool = CompilePool(compile_workers)
+        self.pool = CompilePool(compile_workers, self.tokenizers.worker_payloads)
+        # In-process compilers (one per tokenizer) for compiles a worker showed to be fast.
+        self._local_compilers: dict[str, object] = {}
         self.max_spec_bytes = max_spec_bytes
         self.default_timeout_seconds = default_timeout_seconds
         self.metrics = metrics
@@ -86,6 +90,9 @@ class GrammarBackend:
         start = time.perf_counter()
         try:
             out = await self.pool.compile(tokenizer.fingerprint, tokenizer.info_json, spec, timeout)
+        except WorkersBusyError:
+            self.metrics.compile_failures.labels(kind, "busy").inc()
+            raise
         except CompileTimeoutError as e:
             self.metrics.compile_failures.labels(kind, "timeout").inc()
             self.cache.put(FailedEntry(grammar_id, e, timeout))
@@ -99,14 +106,22 @@ class GrammarBackend:
             raise
         finally:
             self.metrics.cache_bytes.set(self.cache.bytes)
-        import xgrammar as xgr
-
-        compiled = await asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, out.serialized, tokenizer.info)
+        if out.serialized is None:
+            compiled = await asyncio.to_thread(compile_spec, self._local_compiler(tokenizer), spec)
+        else:
+            compiled = await asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, out.serialized, tokenizer.info)
         self.metrics.compile_duration.labels(kind).observe(time.perf_counter() - start)
         entry = CompiledEntry(grammar_id, compiled, tokenizer, out.warnings, out.duration_seconds, compiled.memory_size_bytes)
         self.cache.put(entry)
         self.metrics.cache_bytes.set(self.cache.bytes)
         return entry
+
+    def _local_compiler(self, tokenizer: RegisteredTokenizer):
+        compiler = self._local_compilers.get(tokenizer.fingerprint)
+        if compiler is None:
+            compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1, cache_enabled=False)
+            self._local_compilers[tokenizer.fingerprint] = compiler
+        return compiler
 
     def lookup(self, grammar_id: str) -> CompiledEntry:
         """The compiled grammar for a session open; NOT_FOUND if not compiled here."""

@@ -7,9 +7,11 @@ prints on stderr, captured here, and the schema scanner's.
 
 Messages on the pipe (parent -> worker):
   ("tokenizer", fingerprint, info_json)
-  ("compile", fingerprint, GrammarSpec)
+  ("compile", fingerprint, GrammarSpec, ship_above_seconds)
 Replies (worker -> parent):
-  ("ok", serialized_json, warnings, duration_seconds, memory_bytes)
+  ("ok", serialized_json or None, warnings, duration_seconds, memory_bytes)
+      serialized_json is None when the compile took at most ship_above_seconds:
+      the parent recompiles in-process rather than pay for serialization
   ("invalid", message)      the spec is malformed or unsatisfiable
   ("error", message)        anything else (a bug or an xgrammar crash)
 """
@@ -86,7 +88,7 @@ def serve(conn) -> None:
             compilers[fp] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             conn.send(("ok",))
             continue
-        _, fp, spec = msg
+        _, fp, spec, ship_above_seconds = msg
         try:
             start = time.perf_counter()
             with capture:
@@ -95,7 +97,9 @@ def serve(conn) -> None:
             warnings = _warnings_from(capture.lines())
             if spec.kind is Kind.JSON_SCHEMA:
                 warnings += schema_warnings.scan(json.loads(spec.text))
-            conn.send(("ok", compiled.serialize_json(), warnings, duration, compiled.memory_size_bytes))
+            # A fast compile is cheaper to redo in the server than to serialize.
+            serialized = compiled.serialize_json() if duration > ship_above_seconds else None
+            conn.send(("ok", serialized, warnings, duration, compiled.memory_size_bytes))
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
             conn.send(("invalid", clean_message(str(e))))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which decides

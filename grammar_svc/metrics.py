@@ -29,7 +29,7 @@ class GrammarMetrics:
             "grammar_svc_compile_duration_seconds", "Wall time of grammar compilations (cache misses that succeeded).",
             ["kind"], buckets=COMPILE_BUCKETS, registry=r)
         self.compile_failures = Counter(
-            "grammar_svc_compile_failures_total", "Compilations that failed, by reason (invalid, timeout, too_large, error).",
+            "grammar_svc_compile_failures_total", "Compilations that failed, by reason (invalid, timeout, busy, too_large, error).",
             ["kind", "reason"], registry=r)
         self.cache_hits = Counter(
             "grammar_svc_cache_hits_total", "Compile requests answered from the cache (successes and cached failures).",

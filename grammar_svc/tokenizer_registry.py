@@ -60,6 +60,11 @@ class TokenizerRegistry:
             )
         return tok
 
+    def worker_payloads(self) -> list[tuple[str, str]]:
+        """(fingerprint, TokenizerInfo JSON) of every tokenizer, for new compile workers."""
+        with self._lock:
+            return [(t.fingerprint, t.info_json) for t in self._by_fp.values()]
+
     def __contains__(self, fingerprint: str) -> bool:
         return fingerprint in self._by_fp
 

@@ -239,7 +239,7 @@ class MaskDecoder:
         if field == DENSE:
             if len(value) != self.num_words * 4:
                 raise MaskDecodeError(f"dense mask has {len(value)} bytes, expected {self.num_words * 4}")
-            row[:] = np.frombuffer(value, dtype=np.uint32)
+            np.bitwise_and(np.frombuffer(value, dtype=np.uint32), self._valid, out=row)
         elif field == ALLOWED:
             row[:] = 0
             self._set_bits(row, decode_ids(value, self.vocab_size), 1)
