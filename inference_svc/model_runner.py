@@ -1,0 +1,172 @@
+"""Model runners: one step of the engine in, next-token logits out.
+
+The engine's step loop hands a runner a `StepBatch`: per sequence, the new
+tokens of this step (a prefill chunk, the one sampled token of a decode, or
+the sampled token plus a jump-forward run) and how many of its tokens are
+already in the KV cache. The scheduler reserves KV slots in the runner's
+`block_manager` before the step (that is where back-pressure and preemption
+are decided); the runner only fills them.
+
+`PagedModelRunner` runs a transformers causal LM over the engine's paged KV
+cache (see attention.py); `SimulatedRunner` (simulated_runner.py) stands in
+for a GPU in benchmarks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from inference_svc.attention import CONTEXT_KWARG, PagedAttentionContext, SeqLayout, register
+from inference_svc.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's part of a step."""
+
+    seq_id: SeqId
+    token_ids: tuple[int, ...]  # new tokens fed this step, at positions start_pos, start_pos+1, ...
+    start_pos: int  # tokens of this sequence already in the KV cache
+    needs_logits: bool = True  # False for a prefill chunk that is not the prompt's last
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    chunks: tuple[SequenceChunk, ...]
+
+    @classmethod
+    def of(cls, chunks: Sequence[SequenceChunk]) -> "StepBatch":
+        return cls(tuple(chunks))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def logit_seq_ids(self) -> list[SeqId]:
+        """Which sequence each row of the forward's logits belongs to."""
+        return [c.seq_id for c in self.chunks if c.needs_logits]
+
+
+class ModelRunner(Protocol):
+    """What the engine needs from a model, real or simulated."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits rows (may exceed the tokenizer's length when the model pads its vocabulary)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """KV block accounting the scheduler reserves slots in before each step."""
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """float32 logits [rows, vocab_size] on `device`: one row per chunk with needs_logits, in batch order."""
+
+
+def validate_batch(batch: StepBatch, blocks: BlockManager) -> None:
+    """Rejects a malformed step before any KV is written."""
+    if not batch.chunks:
+        raise ValueError("empty step batch")
+    seen = set()
+    for c in batch.chunks:
+        if c.seq_id in seen:
+            raise ValueError(f"sequence {c.seq_id!r} appears twice in one step")
+        seen.add(c.seq_id)
+        if not c.token_ids:
+            raise ValueError(f"sequence {c.seq_id!r}: a step chunk needs at least one token")
+        if c.start_pos < 0:
+            raise ValueError(f"sequence {c.seq_id!r}: start_pos must be >= 0, got {c.start_pos}")
+        reserved = blocks.num_tokens(c.seq_id)
+        if c.start_pos + len(c.token_ids) > reserved:
+            raise ValueError(
+                f"sequence {c.seq_id!r}: step needs KV slots up to {c.start_pos + len(c.token_ids)} tokens but "
+                f"only {reserved} are reserved (allocate/extend the block manager first)"
+            )
+
+
+class PagedModelRunner:
+    """A transformers causal LM driven one packed step at a time over the engine's paged KV cache.
+
+    The model is switched to the `structd_paged` attention implementation, so
+    it must only be called through this runner afterwards.
+    """
+
+    def __init__(self, model, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        model.set_attn_implementation(register())
+        model.eval()
+        self._device = next(model.parameters()).device
+        self._vocab_size = model.get_output_embeddings().weight.shape[0]
+        # Slicing hidden states before the LM head avoids 129k-wide logits for
+        # every prompt token; models whose forward lacks it get full logits, sliced after.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @classmethod
+    def create(
+        cls,
+        model,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        kv_dtype: torch.dtype | None = None,
+    ) -> "PagedModelRunner":
+        """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes."""
+        param = next(model.parameters())
+        spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size)
+        blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
+        return cls(model, PagedKVCache(spec, blocks, param.device))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.kv_cache.blocks
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        blocks = self.kv_cache.blocks
+        validate_batch(batch, blocks)
+        layouts, tables, token_ids, positions, last_index = [], [], [], [], []
+        q_start = 0
+        for c in batch.chunks:
+            n = len(c.token_ids)
+            layouts.append(SeqLayout(q_start, n, c.start_pos))
+            tables.append(blocks.block_table(c.seq_id))
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + n))
+            if c.needs_logits:
+                last_index.append(q_start + n - 1)
+            q_start += n
+
+        ctx = PagedAttentionContext.build(self.kv_cache, layouts, tables, self._device)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self._device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self._device)
+        keep = torch.tensor(last_index, dtype=torch.long, device=self._device)
+        kwargs = {CONTEXT_KWARG: ctx}
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        logits = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **kwargs
+        ).logits[0]
+        if not self._logits_to_keep:
+            logits = logits.index_select(0, keep)
+        return logits.float()
