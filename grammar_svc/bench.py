@@ -51,9 +51,9 @@ def add_arguments(parser):
     parser.add_argument("--compile-concurrency", type=int, default=0,
                         help="Compile calls in flight (default: the server's compile workers)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32, 128], help="sessions per step, e.g. 1,8,32,128")
-    parser.add_argument("--steps", type=int, default=300, help="measured steps per batch size")
+    parser.add_argument("--steps", type=int, default=1000, help="measured steps per batch size")
     parser.add_argument("--warmup-steps", type=int, default=20, help="unmeasured steps before those")
-    parser.add_argument("--max-session-tokens", type=int, default=512,
+    parser.add_argument("--max-session-tokens", type=int, default=256,
                         help="close and replace a session after this many tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mask-cache-slots", type=int, default=-1,
@@ -66,7 +66,7 @@ def add_arguments(parser):
     parser.add_argument("--no-local", action="store_true", help="skip the local per-row pass")
     parser.add_argument("--no-rewrite-check", action="store_true",
                         help="local pass without the bounded-string rewrite comparison")
-    parser.add_argument("--bounded-lengths", type=_int_list, default=[4, 8, 16, 20, 32, 64, 0],
+    parser.add_argument("--bounded-lengths", type=_int_list, default=[4, 8, 16, 20, 32, 64, 128, 256, 0],
                         help="maxLength values of the bounded-string micro-benchmark (0: no maxLength); empty skips it")
     parser.add_argument("--bounded-walks", type=int, default=12, help="walks per maxLength in the micro-benchmark")
 
@@ -135,7 +135,7 @@ def run_bench(args) -> int:
 
         from grammar_svc import bench_local
 
-        used = sorted({walk_keys[s.grammar] for r in runs for s in r.sessions if s.tokens or True})
+        used = sorted({walk_keys[s.grammar] for r in runs for s in r.sessions})
         progress(f"local pass: compiling {len(used)} grammars here"
                  + ("" if args.no_rewrite_check else " (and their bounded-string rewrites)"))
         info = xgr.TokenizerInfo.deserialize_json(desc.info_json)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 
+import grpc
 import numpy as np
 
 from grammar_svc.bench_rewrite import json_schema_ebnf, rewrite_bounded_strings
@@ -26,6 +27,7 @@ from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
 
 PREFIX = b'{"s":"'
+COMPILE_TIMEOUT = 120.0
 
 
 def schema_for(max_length: int) -> str:
@@ -115,22 +117,34 @@ async def run_bounded(client: GrammarClient, fp: str, info, lengths: list[int], 
         ebnf, rules = rewrite_bounded_strings(json_schema_ebnf(schema, opts))
         entry: dict = {"max_length": n, "rewritten_rules": rules}
         t = time.perf_counter()
-        orig = await client.compile(fp, pb.GrammarSpec(json_schema=pb.JsonSchema(schema=schema)))
-        entry["server_compile_seconds"] = orig.compile_duration_seconds
-        entry["client_compile_seconds"] = time.perf_counter() - t
-        rew = None
-        if rules:
-            rew = await client.compile(fp, pb.GrammarSpec(ebnf=pb.Ebnf(grammar=ebnf)))
-            entry["rewrite_server_compile_seconds"] = rew.compile_duration_seconds
+        try:
+            # Its own deadline: long bounds take seconds, more than --compile-timeout may allow.
+            orig = await client.compile(fp, pb.GrammarSpec(json_schema=pb.JsonSchema(schema=schema)),
+                                        timeout_seconds=COMPILE_TIMEOUT, rpc_timeout=COMPILE_TIMEOUT + 30)
+            entry["server_compile_seconds"] = orig.compile_duration_seconds
+            entry["client_compile_seconds"] = time.perf_counter() - t
+            rew = None
+            if rules:
+                rew = await client.compile(fp, pb.GrammarSpec(ebnf=pb.Ebnf(grammar=ebnf)),
+                                           timeout_seconds=COMPILE_TIMEOUT, rpc_timeout=COMPILE_TIMEOUT + 30)
+                entry["rewrite_server_compile_seconds"] = rew.compile_duration_seconds
+        except grpc.aio.AioRpcError as e:
+            entry["error"] = f"{e.code().name}: {e.details()}"
+            results.append(entry)
+            progress(f"bounded maxLength={n or 'none'}: compile failed ({entry['error']})")
+            continue
         orig_rows, rew_rows, token_seqs = [], [], []
         for w in range(walks):
             stream, decoder = open_stream(client, vocab_size, mask_cache_slots)
             try:
-                rows, toks = await _walk(stream, decoder, orig.grammar_id, vocab, has_quote, token_len, vocab_size, rng, None)
+                # Long enough to reach the end of the string (the walk adds ~1-2 characters a step).
+                rows, toks = await _walk(stream, decoder, orig.grammar_id, vocab, has_quote, token_len, vocab_size, rng,
+                                         None, max_steps=120 + 2 * n)
                 orig_rows += rows
                 token_seqs.append(toks)
                 if rew is not None:
-                    rrows, _ = await _walk(stream, decoder, rew.grammar_id, vocab, has_quote, token_len, vocab_size, rng, toks)
+                    rrows, _ = await _walk(stream, decoder, rew.grammar_id, vocab, has_quote, token_len, vocab_size, rng,
+                                           toks, max_steps=len(toks) + 1)
                     for a, b in zip(rows, rrows):
                         b["inside"], b["chars"] = a["inside"], a["chars"]
                         b["same_mask"] = a["hash"] == b["hash"]

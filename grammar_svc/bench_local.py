@@ -8,9 +8,11 @@ on its own, single-threaded: the intrinsic cost of each row. On the way it
 
 - checks every replayed mask against the hash of the mask the server sent
   (the replay is the same matcher state, or the numbers would mean nothing);
-- classifies each row: "maxlen_string" when the matcher is inside the nested
-  rules xgrammar expands a bounded string `[^"\\\r\n]{m,n}` into, else
-  "other" (from the matcher's parser state, a debug API: benchmark only);
+- classifies each row from the rules of the matcher's current parser states
+  (a debug API: benchmark only): "bounded_string" inside a string with
+  minLength/maxLength that xgrammar expands into nested rules (bounds up to
+  ~127), "bounded_string_long" inside one it matches with its windowed repeat
+  (longer bounds), else "other";
 - optionally compiles each schema that has a bounded string a second time
   with the bounded-string rewrite (grammar_svc.bench_rewrite), replays the
   same tokens on it, checks that every mask is identical and times its fills
@@ -30,8 +32,11 @@ from grammar_svc.bench_rewrite import json_schema_ebnf, rewrite_bounded_strings
 from grammar_svc.bench_walks import WalkRun, progress
 from grammar_svc.spec import GrammarSpec, JsonOptions, Kind, compile_spec
 
-# A rule of xgrammar's expansion of `[^"\\\r\n]{m,n}`: ("" | ([^\"\\\r\n] next)) or its last link.
-_MAXLEN_RULE = re.compile(r'^\S+ ::= \(""\ \|\ \(\[\^\\"\\\\\\r\\n\](?: \S+)?\)\)$')
+# xgrammar 0.2.8 matches the characters of a string with minLength/maxLength
+# with this class (plain strings use [^\0-\x1f"\\\r\n] plus escapes); bounds
+# up to ~127 become nested optional rules, longer ones a windowed `_repeat_`.
+_BOUNDED_CLASS = '[^\\"\\\\\\r\\n]'
+
 _RULE_ID = re.compile(r"rule_id=(\d+)")
 
 
@@ -57,7 +62,8 @@ class quiet_stderr:
 class LocalGrammar:
     compiled: object | None = None
     compile_seconds: float = 0.0
-    maxlen_rules: frozenset = frozenset()
+    bounded_rules: frozenset = frozenset()
+    long_rules: frozenset = frozenset()
     rewritten: object | None = None
     rewrite_compile_seconds: float | None = None
     rewrite_rules: int = 0
@@ -77,9 +83,13 @@ class LocalRows:
     rewrite_matches: list[bool | None] = field(default_factory=list)
 
 
-def _maxlen_rule_ids(compiled) -> frozenset:
-    # Rule ids are the order in which the compiled grammar prints its rules.
-    return frozenset(i for i, line in enumerate(str(compiled.grammar).splitlines()) if _MAXLEN_RULE.match(line))
+def _bounded_rule_ids(compiled) -> tuple[frozenset, frozenset]:
+    """(rules of short bounded strings, rules of long ones); rule ids are the order the grammar prints them in."""
+    short, long = set(), set()
+    for i, line in enumerate(str(compiled.grammar).splitlines()):
+        if _BOUNDED_CLASS in line:
+            (long if "_repeat_" in line else short).add(i)
+    return frozenset(short), frozenset(long)
 
 
 def compile_locally(info, schema_texts: dict[int, str], rewrite: bool, threads: int | None = None,
@@ -98,7 +108,7 @@ def compile_locally(info, schema_texts: dict[int, str], rewrite: bool, threads: 
             with quiet_stderr():
                 g.compiled = compile_spec(compiler, GrammarSpec(Kind.JSON_SCHEMA, text, opts))
             g.compile_seconds = time.perf_counter() - start
-            g.maxlen_rules = _maxlen_rule_ids(g.compiled)
+            g.bounded_rules, g.long_rules = _bounded_rule_ids(g.compiled)
         except Exception as e:  # noqa: BLE001 - recorded, the grammar's rows are skipped
             g.error = f"{type(e).__name__}: {e}"
             continue
@@ -157,13 +167,14 @@ def replay(run: WalkRun, grammars: dict[int, LocalGrammar], walk_grammar_keys: l
             rows.fill[i] = perf() - start
             row = buf[0].numpy()
             rows.matches_server[i] = hash(row.tobytes()) == run.row_hash[i]
-            if g.maxlen_rules:
+            rows.klass[i] = "other"
+            if g.bounded_rules or g.long_rules:
                 state = m._debug_print_internal_state()
-                last = state.split("Last step:", 1)[-1]
-                ids = {int(x) for x in _RULE_ID.findall(last)}
-                rows.klass[i] = "maxlen_string" if ids & g.maxlen_rules else "other"
-            else:
-                rows.klass[i] = "other"
+                ids = {int(x) for x in _RULE_ID.findall(state.split("Last step:", 1)[-1])}
+                if ids & g.bounded_rules:
+                    rows.klass[i] = "bounded_string"
+                elif ids & g.long_rules:
+                    rows.klass[i] = "bounded_string_long"
             if g.rewrite_checked and g.rewrite_rules == 0 and not g.rewrite_error:
                 # Nothing to rewrite: the service would compile the schema as it is.
                 rows.rewrite_fill[i] = rows.fill[i]

@@ -190,7 +190,8 @@ def compile_aggregates(records, local_grammars=None) -> dict:
         out["local"] = {
             "compiled": sum(1 for g in lg if g.compiled is not None),
             "errors": sum(1 for g in lg if g.error),
-            "with_maxlen_strings": sum(1 for g in lg if g.maxlen_rules),
+            "with_bounded_strings": sum(1 for g in lg if g.bounded_rules or g.long_rules),
+            "with_long_bounded_strings": sum(1 for g in lg if g.long_rules),
             "with_rewritten_rules": len(rew),
             "rewrite_compile_errors": sum(1 for g in lg if g.rewrite_error),
             "rewrite_compile_error_examples": sorted({g.rewrite_error for g in lg if g.rewrite_error})[:10],
@@ -259,12 +260,12 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=7)
 
     ax = axes[1][1]
-    bounded = result.get("bounded", {}).get("lengths", [])
+    bounded = [e for e in result.get("bounded", {}).get("lengths", []) if "error" not in e]
     if bounded:
         labels = [str(e["max_length"] or "none") for e in bounded]
         x = np.arange(len(labels))
-        o = [e["server_fill_inside"].get("p50", np.nan) * 1e3 for e in bounded]
-        o99 = [e["server_fill_inside"].get("p99", np.nan) * 1e3 for e in bounded]
+        o = [e.get("server_fill_inside", {}).get("p50", np.nan) * 1e3 for e in bounded]
+        o99 = [e.get("server_fill_inside", {}).get("p99", np.nan) * 1e3 for e in bounded]
         r = [e.get("rewrite_server_fill_inside", {}).get("p50", np.nan) * 1e3 for e in bounded]
         r99 = [e.get("rewrite_server_fill_inside", {}).get("p99", np.nan) * 1e3 for e in bounded]
         ax.bar(x - 0.3, o, 0.2, label="xgrammar form p50")
@@ -279,7 +280,7 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[1][2]
     for e in bounded:
         if e["max_length"] in (8, 20, 64):
-            ch = e["fill_by_chars"]
+            ch = e.get("fill_by_chars", {})
             ax.plot([int(k) for k in ch], [v * 1e3 for v in ch.values()], "o-", label=f"maxLength {e['max_length']}")
             rch = e.get("rewrite_fill_by_chars", {})
             if rch:
