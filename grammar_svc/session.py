@@ -35,15 +35,19 @@ class GrammarSession:
 
     def check_tokens(self, token_ids) -> None:
         """Raises InvalidRequestError if any id is outside the vocabulary (before anything is applied)."""
+        if not token_ids:
+            return
         vocab = self.vocab_size
-        for tok in token_ids:
-            if not 0 <= tok < vocab:
-                raise InvalidRequestError(f"token id {tok} is outside the vocabulary (0..{vocab - 1})")
+        # min/max run in C: this is on the per-step path for every session.
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def accept(self, token_ids) -> int:
         """Accepts tokens in order; returns how many were accepted before a rejection.
-        An id outside the vocabulary fails the call before any token is accepted."""
-        self.check_tokens(token_ids)
+        Ids must be inside the vocabulary: the stepper calls check_tokens once,
+        before anything of the step is applied; forced ids come from the tokenizer."""
         matcher = self.matcher
         for i, tok in enumerate(token_ids):
             if not matcher.accept_token(tok):
