@@ -1,0 +1,175 @@
+"""`structd generate`: one completion from a running inference service, on the command line.
+
+Streams the text to stdout as it is generated, or with --json prints one JSON
+line with text, finish_reason and usage at the end. Exit status: 0 success,
+1 the RPC failed or generation ended early (finish_reason error/cancelled),
+2 bad arguments or an unreadable file, 130 Ctrl-C.
+
+Wired into `shared.cli` as a subcommand; `python -m shared.generate_cli` runs
+it stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+from shared.inference_client import InferenceClient, InferenceError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Finish reasons after which the text is not a finished answer.
+_FAILED_FINISH_REASONS = ("error", "cancelled")
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """argparse type: an int in [low, high], so out-of-range values are usage
+    errors rather than protobuf exceptions."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return parse
+
+
+_INT32_MAX = 2**31 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="inference service HOST:PORT (default %(default)s)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--json-schema", metavar="FILE", help="JSON schema file (- = stdin)")
+    kind.add_argument("--regex", metavar="PATTERN", help="regular expression the output must match")
+    kind.add_argument("--ebnf", metavar="FILE", help="EBNF grammar file (- = stdin)")
+    kind.add_argument("--choice", metavar="TEXT", action="append",
+                      help="one allowed output; repeat for each choice")
+    kind.add_argument("--json-object", action="store_true", help="any JSON object")
+    kind.add_argument("--structural-tag", metavar="FILE", help="xgrammar structural tag JSON file (- = stdin)")
+    parser.add_argument("--max-tokens", type=_int_in(0, _INT32_MAX), default=0, metavar="N",
+                        help="0 = server default")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 or 1 = disabled")
+    parser.add_argument("--top-k", type=_int_in(0, _INT32_MAX), default=0, metavar="K", help="0 = disabled")
+    parser.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=None, metavar="S",
+                        help="reproducible sampling; default random")
+    parser.add_argument("--stop", metavar="TEXT", action="append", help="stop string; repeatable")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end of sequence")
+    parser.add_argument("--no-jump-forward", dest="disable_jump_forward", action="store_true",
+                        help="sample every token, even where the grammar allows only one")
+    parser.add_argument("--json", dest="json_output", action="store_true",
+                        help="print one JSON line {text, finish_reason, usage} at the end instead of streaming")
+    # For tests and scripts that must not wait forever; not part of the documented interface.
+    parser.add_argument("--timeout-seconds", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+
+
+class _UnreadableFile(Exception):
+    pass
+
+
+def _read_text(path: str) -> str:
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise _UnreadableFile(f"cannot read {path}: {reason}") from e
+
+
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    """The constraint keyword argument of the client for the given flag, if any."""
+    if args.json_schema is not None:
+        return {"json_schema": _read_text(args.json_schema)}
+    if args.ebnf is not None:
+        return {"ebnf": _read_text(args.ebnf)}
+    if args.structural_tag is not None:
+        return {"structural_tag": _read_text(args.structural_tag)}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    if args.json_object:
+        return {"json_object": True}
+    return {}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        constraint = _constraint(args)
+    except _UnreadableFile as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = dict(
+        constraint,
+        disable_jump_forward=args.disable_jump_forward, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop=args.stop or (), ignore_eos=args.ignore_eos, timeout=args.timeout_seconds,
+    )
+    try:
+        with InferenceClient(args.target) as client:
+            if args.json_output:
+                finish_reason = _print_json(client, args.prompt, options)
+            else:
+                finish_reason = _stream(client, args.prompt, options)
+    except InferenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Leaving the stream cancelled the RPC; the shell prints ^C.
+        return 130
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: stop quietly, and keep the
+        # interpreter from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    if finish_reason is None or finish_reason in _FAILED_FINISH_REASONS:
+        print(f"error: generation ended early (finish_reason {finish_reason or 'missing'})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _stream(client: InferenceClient, prompt: str, options: dict[str, Any]) -> str | None:
+    finish_reason = None
+    for chunk in client.generate(prompt, **options):
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        finish_reason = chunk.finish_reason or finish_reason
+    if sys.stdout.isatty():
+        # End the line for the shell prompt; piped output stays exactly the text.
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return finish_reason
+
+
+def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -> str:
+    completion = client.complete(prompt, **options)
+    usage = completion.usage
+    print(json.dumps({
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                  "forced_tokens": usage.forced_tokens},
+    }), flush=True)
+    return completion.finish_reason
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="structd generate", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

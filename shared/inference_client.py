@@ -1,0 +1,311 @@
+"""Python client for the inference service (inference.v1.InferenceService), sync and asyncio.
+
+Both clients take the same keyword arguments (see `build_request`) and speak
+plain Python: a stream of `Chunk`s or one collected `Completion`, finish
+reasons as lower-case strings, gRPC failures as `InferenceError`.
+
+    with InferenceClient("127.0.0.1:50051") as client:
+        for chunk in client.generate("Name a colour:", choice=["red", "green"]):
+            print(chunk.text, end="", flush=True)
+
+Leaving a stream early (break, an exception, `close()` / `aclose()`) cancels
+the RPC, so the server stops generating and frees the request at once. An
+async stream is only closed promptly when closed explicitly, e.g. with
+`contextlib.aclosing(client.generate(...))`; otherwise it is closed when
+garbage collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict, Unpack
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.gen.inference.v1 import inference_service_pb2 as pb
+from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from shared.grpc_options import CHANNEL_OPTIONS
+
+# Longest single health check while polling in wait_ready: a hung server must
+# not eat the whole wait in one call.
+_HEALTH_POLL_TIMEOUT = 1.0
+_HEALTH_POLL_INTERVAL = 0.1
+
+_FINISH_PREFIX = "FINISH_REASON_"
+# "stop", "length", "stop_string", "cancelled", "error"; UNSPECIFIED (0) marks
+# a response that is not the last one.
+FINISH_REASONS: dict[int, str] = {
+    value: name.removeprefix(_FINISH_PREFIX).lower()
+    for name, value in pb.FinishReason.items()
+    if value != pb.FINISH_REASON_UNSPECIFIED
+}
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    # Completion tokens appended by jump-forward rather than sampled.
+    forced_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed step: its tokens and their text delta. The last chunk
+    carries finish_reason and usage; on the others both are None."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+
+
+class InferenceError(Exception):
+    """A failed RPC: the gRPC status code and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> InferenceError:
+        # Sync and aio errors both implement code()/details(); details() may be None.
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        details = error.details() if hasattr(error, "details") else None
+        return cls(code, details or str(error))
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword arguments of `build_request`, for the clients' generate/complete."""
+
+    json_schema: str | dict[str, Any] | None
+    regex: str | None
+    ebnf: str | None
+    choice: Sequence[str] | None
+    json_object: bool
+    structural_tag: str | dict[str, Any] | None
+    disable_jump_forward: bool
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str]
+    ignore_eos: bool
+    request_id: str
+
+
+def build_request(prompt: str, *,
+                  json_schema: str | dict[str, Any] | None = None,
+                  regex: str | None = None,
+                  ebnf: str | None = None,
+                  choice: Sequence[str] | None = None,
+                  json_object: bool = False,
+                  structural_tag: str | dict[str, Any] | None = None,
+                  disable_jump_forward: bool = False,
+                  max_tokens: int = 0,
+                  temperature: float = 0.0,
+                  top_p: float = 0.0,
+                  top_k: int = 0,
+                  seed: int | None = None,
+                  stop: Sequence[str] | str = (),
+                  ignore_eos: bool = False,
+                  request_id: str = "") -> pb.GenerateRequest:
+    """The GenerateRequest for these arguments.
+
+    At most one constraint kind (json_schema, regex, ebnf, choice, json_object,
+    structural_tag) may be given; none means unconstrained generation, and then
+    disable_jump_forward has nothing to apply to and is ignored. dict schemas
+    and structural tags are sent as JSON text. Zero sampling values mean the
+    server default / disabled; seed None means a random seed, seed 0 is a seed.
+    """
+    if isinstance(choice, str):
+        # A bare string would silently become one choice per character.
+        raise TypeError("choice must be a sequence of strings, not a string")
+    if isinstance(stop, str):
+        stop = (stop,)
+    kinds: dict[str, Any] = {
+        "json_schema": _json_text(json_schema),
+        "regex": regex,
+        "ebnf": ebnf,
+        "choice": None if choice is None else pb.ChoiceList(choices=choice),
+        "json_object": True if json_object else None,
+        "structural_tag": _json_text(structural_tag),
+    }
+    given = [name for name, value in kinds.items() if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"at most one constraint kind may be given, got {', '.join(given)}")
+
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos),
+    )
+    if given:
+        request.constraint.CopyFrom(
+            pb.Constraint(**{given[0]: kinds[given[0]]}, disable_jump_forward=disable_jump_forward))
+    return request
+
+
+def _json_text(value: str | dict[str, Any] | None) -> str | None:
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+def finish_reason_name(value: int) -> str | None:
+    """Lower-case name of a FinishReason value; None for UNSPECIFIED (not the last response)."""
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    # A reason added to the proto after this client was built is still an end.
+    return FINISH_REASONS.get(value, f"unknown_{value}")
+
+
+def _chunk(response: pb.GenerateResponse) -> Chunk:
+    usage = None
+    if response.HasField("usage"):
+        u = response.usage
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.forced_tokens)
+    return Chunk(list(response.token_ids), response.text, finish_reason_name(response.finish_reason), usage)
+
+
+def _completion(chunks: Iterable[Chunk]) -> Completion:
+    texts: list[str] = []
+    token_ids: list[int] = []
+    for chunk in chunks:
+        texts.append(chunk.text)
+        token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            return Completion("".join(texts), token_ids, chunk.finish_reason, chunk.usage or Usage(0, 0, 0))
+    raise InferenceError(grpc.StatusCode.UNKNOWN, "the server ended the stream without a finish reason")
+
+
+class InferenceClient:
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(self, target: str, channel: grpc.Channel | None = None):
+        self.target = target
+        self.channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None,
+                 **options: Unpack[RequestOptions]) -> Generator[Chunk, None, None]:
+        """Streams the completion. Arguments are checked here; the RPC starts
+        on the first next(). timeout bounds the whole stream (seconds)."""
+        return self._stream(build_request(prompt, **options), timeout)
+
+    def complete(self, prompt: str, *, timeout: float | None = None,
+                 **options: Unpack[RequestOptions]) -> Completion:
+        """The whole completion at once (collects generate())."""
+        return _completion(self.generate(prompt, timeout=timeout, **options))
+
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Generator[Chunk, None, None]:
+        call = self.stub.Generate(request, timeout=timeout)
+        try:
+            for response in call:
+                yield _chunk(response)
+        except grpc.RpcError as e:
+            raise InferenceError.from_rpc_error(e) from e
+        finally:
+            # No-op once the stream has ended; otherwise the server frees the request.
+            call.cancel()
+
+    def wait_ready(self, timeout: float, service: str = "") -> None:
+        """Blocks until grpc.health.v1 reports SERVING; TimeoutError after timeout seconds."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                   timeout=min(left, _HEALTH_POLL_TIMEOUT))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not up yet (UNAVAILABLE) or still starting
+            time.sleep(min(_HEALTH_POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+        raise TimeoutError(f"{self.target} did not become SERVING within {timeout:g} s")
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncInferenceClient:
+    """asyncio client. Use as an async context manager or await close()."""
+
+    def __init__(self, target: str, channel: grpc.aio.Channel | None = None):
+        self.target = target
+        self.channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceServiceStub(self.channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None,
+                 **options: Unpack[RequestOptions]) -> AsyncGenerator[Chunk, None]:
+        """Streams the completion (use with `async for`). Arguments are checked
+        here; the RPC starts on the first iteration. timeout bounds the whole stream."""
+        return self._stream(build_request(prompt, **options), timeout)
+
+    async def complete(self, prompt: str, *, timeout: float | None = None,
+                       **options: Unpack[RequestOptions]) -> Completion:
+        """The whole completion at once (collects generate())."""
+        stream = self.generate(prompt, timeout=timeout, **options)
+        try:
+            return _completion([chunk async for chunk in stream])
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncGenerator[Chunk, None]:
+        call = self.stub.Generate(request, timeout=timeout)
+        try:
+            async for response in call:
+                yield _chunk(response)
+        except grpc.RpcError as e:
+            raise InferenceError.from_rpc_error(e) from e
+        finally:
+            # No-op once the stream has ended; otherwise the server frees the request.
+            call.cancel()
+
+    async def wait_ready(self, timeout: float, service: str = "") -> None:
+        """Waits until grpc.health.v1 reports SERVING; TimeoutError after timeout seconds."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (left := deadline - loop.time()) > 0:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                         timeout=min(left, _HEALTH_POLL_TIMEOUT))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not up yet (UNAVAILABLE) or still starting
+            await asyncio.sleep(min(_HEALTH_POLL_INTERVAL, max(0.0, deadline - loop.time())))
+        raise TimeoutError(f"{self.target} did not become SERVING within {timeout:g} s")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
