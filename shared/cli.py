@@ -24,6 +24,16 @@ def _cmd_grammar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inference(args: argparse.Namespace) -> int:
+    from inference_svc import config as iconfig
+    from inference_svc.server import serve
+
+    cfg = iconfig.from_args(args)
+    _setup_logging(cfg.log_level)
+    asyncio.run(serve(cfg))
+    return 0
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from shared.up import run_up
 
@@ -40,6 +50,8 @@ def _cmd_bench_grammar(args: argparse.Namespace) -> int:
 
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     from grammar_svc import config as gconfig
+    from inference_svc import config as iconfig
+    from shared import generate_cli
 
     parser = argparse.ArgumentParser(prog="structd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,16 +61,32 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     gconfig.add_arguments(p, env)
     p.set_defaults(func=_cmd_grammar)
 
+    p = sub.add_parser("inference", help="run the inference service",
+                       description="Run one inference service replica (gRPC inference.v1.InferenceService): "
+                                   "continuous batching with masks from the grammar tier.")
+    iconfig.add_arguments(p, env)
+    p.set_defaults(func=_cmd_inference)
+
     p = sub.add_parser("up", help="run the services locally until SIGINT/SIGTERM",
-                       description="Start grammar replica(s) locally, print where they listen once SERVING, "
-                                   "stop them cleanly on SIGINT/SIGTERM.")
+                       description="Start grammar replica(s) and the inference service locally, print where they "
+                                   "listen once all are SERVING, stop them cleanly on SIGINT/SIGTERM.")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="inference service gRPC port")
+    p.add_argument("--metrics-port", type=int, default=9401, help="inference service /metrics port")
     p.add_argument("--grammar-port", type=int, default=50052)
     p.add_argument("--grammar-metrics-port", type=int, default=9402)
     p.add_argument("--grammar-replicas", type=int, default=1,
                    help="replicas take consecutive ports from --grammar-port and --grammar-metrics-port")
+    p.add_argument("--model", default=None, help="Hugging Face causal LM directory (default: the embedded model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the inference service")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("generate", help="generate a completion from a running inference service",
+                       description="Stream one (optionally grammar-constrained) completion from "
+                                   "inference.v1.InferenceService.")
+    generate_cli.add_arguments(p)
+    p.set_defaults(func=generate_cli.run)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bsub = bench.add_subparsers(dest="bench", required=True)

@@ -40,3 +40,7 @@ class UnavailableError(StructdError):
 
 class CancelledError(StructdError):
     """The caller went away or the request was cancelled."""
+
+
+class GrammarDesyncError(StructdError):
+    """The grammar tier rejected a token the engine sampled under its own mask: both sides disagree."""

@@ -26,6 +26,8 @@ STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.CancelledError: grpc.StatusCode.CANCELLED,
+    # The request's state diverged from its grammar session: retrying it is safe.
+    errors.GrammarDesyncError: grpc.StatusCode.ABORTED,
 }
 
 

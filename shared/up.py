@@ -1,4 +1,4 @@
-"""`structd up`: run the services locally as child processes until SIGINT/SIGTERM.
+"""`structd up`: run the grammar replica(s) and the inference service locally as child processes until SIGINT/SIGTERM.
 
 Each service runs as its own `structd <service>` process, exactly as it would
 in a container. Once every one reports SERVING on grpc.health.v1, `up` prints
@@ -43,6 +43,15 @@ def grammar_command(host: str, port: int, metrics_port: int, log_level: str) -> 
             "--metrics-port", str(metrics_port), "--log-level", log_level]
 
 
+def inference_command(args: argparse.Namespace, grammar_targets: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "shared.cli", "inference", "--host", args.host, "--port", str(args.port),
+           "--metrics-port", str(args.metrics_port), "--grammar-target", ",".join(grammar_targets),
+           "--tp", str(args.tp), "--log-level", args.log_level]
+    if args.model:
+        cmd += ["--model", str(args.model)]
+    return cmd
+
+
 def run_up(args: argparse.Namespace) -> int:
     if args.grammar_replicas < 1:
         print("error: --grammar-replicas must be at least 1", file=sys.stderr)
@@ -59,9 +68,18 @@ def run_up(args: argparse.Namespace) -> int:
         for i, (target, proc) in enumerate(procs):
             print(f"starting grammar replica {i + 1}/{len(procs)} on {target} ...", flush=True)
             wait_serving(target, proc)
-        for i, (target, _) in enumerate(procs):
+        grammar_targets = [target for target, _ in procs]
+        inference_target = f"{args.host}:{args.port}"
+        print(f"starting inference service on {inference_target} (loads the model; the embedded one is built "
+              "on first use) ...", flush=True)
+        procs.append((inference_target, subprocess.Popen(inference_command(args, grammar_targets))))
+        wait_serving(inference_target, procs[-1][1])
+        for i, target in enumerate(grammar_targets):
             print(f"grammar replica {i + 1}: grpc {target}  metrics "
                   f"http://{args.host}:{args.grammar_metrics_port + i}/metrics", flush=True)
+        print(f"inference service: grpc {inference_target}  metrics http://{args.host}:{args.metrics_port}/metrics",
+              flush=True)
+        print(f"try: structd generate --target {inference_target} --json-object 'A JSON object:'", flush=True)
         print("all services SERVING; Ctrl-C to stop", flush=True)
         while not stop.is_set():
             if any(p.poll() is not None for _, p in procs):
@@ -73,7 +91,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        for _, p in procs:
+        # Inference first: it drains its requests while the grammar tier still answers.
+        for _, p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for _, p in procs:

@@ -1,0 +1,223 @@
+"""The engine's view of the grammar tier: handshake, compiles, and one step stream per replica.
+
+Each request is pinned to one replica (the one with the fewest open sessions
+when its grammar is compiled). A step is sent as one `StepRequest` per replica
+that has rows in it, written *before* the forward pass is launched; the
+responses are read after the forward, and their masks decoded straight into
+the engine's bitmask rows.
+
+A replica whose stream breaks (or does not answer within the step timeout)
+is reported as lost; its stream is reopened for new requests. A session is a
+pure function of (grammar id, accepted tokens), so the engine could replay
+them elsewhere; today it fails the affected requests with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from shared import errors
+from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
+from shared.grammar_client import GrammarClient, StepStream, decode_masks
+from shared.tokenizer import TokenizerDescription
+
+log = logging.getLogger(__name__)
+
+# A grammar step is normally well under a millisecond; this only catches a hung replica.
+STEP_TIMEOUT_SECONDS = 30.0
+
+# Grammar tier status codes that mean "your constraint", passed on to the client as such.
+_COMPILE_ERRORS: dict[grpc.StatusCode, type[errors.StructdError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidGrammarError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.CompileTimeoutError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.LimitExceededError,
+}
+
+
+def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
+    cls = _COMPILE_ERRORS.get(e.code())
+    if cls is not None:
+        return cls(f"constraint: {e.details()}")
+    return errors.UnavailableError(f"grammar tier {target}: {e.code().name}: {e.details()}")
+
+
+@dataclass
+class _Replica:
+    index: int
+    client: GrammarClient
+    stream: StepStream | None = None
+    sessions: int = 0
+    registered: bool = False
+    pending_closes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GrammarRow:
+    """One session's part of a step; row is its bitmask row (-1: none, e.g. close)."""
+
+    replica: int
+    step: gpb.SessionStep
+    row: int
+
+
+@dataclass
+class StepResults:
+    """Per row, in send order: a SessionResult, or the exception that lost it."""
+
+    results: list[gpb.SessionResult | BaseException]
+    lost_replicas: set[int]
+    rpc_seconds: float
+
+
+class PendingStep:
+    def __init__(self, tier: "GrammarTier", parts: dict[int, list[int]], rows: list[GrammarRow],
+                 sent_at: float, failed: dict[int, BaseException]):
+        self._tier = tier
+        self._parts = parts  # replica -> indices into rows
+        self._rows = rows
+        self._sent_at = sent_at
+        self._failed = failed
+
+    @property
+    def empty(self) -> bool:
+        return not self._rows
+
+    async def receive(self, bitmask: np.ndarray) -> StepResults:
+        out: list[gpb.SessionResult | BaseException | None] = [None] * len(self._rows)
+        lost = set(self._failed)
+        for replica, exc in self._failed.items():
+            for i in self._parts[replica]:
+                out[i] = exc
+        reads = {r: self._tier._read(r) for r in self._parts if r not in self._failed}
+        answers = await asyncio.gather(*reads.values(), return_exceptions=True)
+        rpc_seconds = time.perf_counter() - self._sent_at
+        for replica, answer in zip(reads, answers):
+            indices = self._parts[replica]
+            if isinstance(answer, BaseException):
+                lost.add(replica)
+                exc = self._tier._lose(replica, answer)
+                for i in indices:
+                    out[i] = exc
+                continue
+            if len(answer.results) != len(indices):
+                exc = self._tier._lose(replica, ConnectionError(
+                    f"step answered {len(answer.results)} sessions, sent {len(indices)}"))
+                lost.add(replica)
+                for i in indices:
+                    out[i] = exc
+                continue
+            stream = self._tier._replicas[replica].stream
+            decode_masks(answer, stream.decoder, bitmask, [max(self._rows[i].row, 0) for i in indices])
+            for i, result in zip(indices, answer.results):
+                out[i] = result
+        return StepResults(out, lost, rpc_seconds)
+
+
+class GrammarTier:
+    def __init__(self, targets: tuple[str, ...], tokenizer: TokenizerDescription, compile_timeout_seconds: float = 0.0):
+        self._replicas = [_Replica(i, GrammarClient(t)) for i, t in enumerate(targets)]
+        self.tokenizer = tokenizer
+        self.compile_timeout_seconds = compile_timeout_seconds
+        self._session_ids = itertools.count(1)
+
+    @property
+    def targets(self) -> list[str]:
+        return [r.client.target for r in self._replicas]
+
+    def target(self, replica: int) -> str:
+        return self._replicas[replica].client.target
+
+    async def connect(self, timeout: float = 5.0) -> int:
+        """Registers the tokenizer with every replica not yet registered; returns how many are."""
+
+        async def one(r: _Replica) -> None:
+            if r.registered:
+                return
+            try:
+                await r.client.register_tokenizer(self.tokenizer, timeout=timeout)
+                r.registered = True
+            except grpc.aio.AioRpcError as e:
+                log.warning("grammar replica %s not reachable: %s", r.client.target, e.details())
+
+        await asyncio.gather(*(one(r) for r in self._replicas))
+        return sum(r.registered for r in self._replicas)
+
+    def new_session_id(self) -> int:
+        return next(self._session_ids)
+
+    async def compile(self, spec: gpb.GrammarSpec) -> tuple[int, str]:
+        """(replica, grammar id) for a constraint, on the least-loaded registered replica."""
+        candidates = [r for r in self._replicas if r.registered] or self._replicas
+        r = min(candidates, key=lambda r: r.sessions)
+        try:
+            if not r.registered:
+                await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
+                r.registered = True
+            resp = await r.client.compile(self.tokenizer.fingerprint, spec, self.compile_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The replica restarted and forgot the tokenizer: hand it over again next time.
+                r.registered = False
+            raise compile_error(e, r.client.target) from None
+        for w in resp.warnings:
+            log.info("grammar %s: %s", resp.grammar_id[:12], w)
+        r.sessions += 1
+        return r.index, resp.grammar_id
+
+    def release(self, replica: int, session_id: int | None) -> None:
+        """A request is done with its replica; its open session is closed with the next step."""
+        r = self._replicas[replica]
+        r.sessions = max(0, r.sessions - 1)
+        if session_id is not None and r.stream is not None:
+            r.pending_closes.append(session_id)
+
+    def has_pending_closes(self) -> bool:
+        return any(r.pending_closes for r in self._replicas)
+
+    async def send(self, rows: list[GrammarRow]) -> PendingStep:
+        """Writes one StepRequest per replica with rows (plus pending closes); returns before any answer."""
+        parts: dict[int, list[int]] = {}
+        rows = list(rows)
+        for r in self._replicas:
+            for sid in r.pending_closes:
+                rows.append(GrammarRow(r.index, gpb.SessionStep(session_id=sid, close=True), -1))
+            r.pending_closes.clear()
+        for i, row in enumerate(rows):
+            parts.setdefault(row.replica, []).append(i)
+        failed: dict[int, BaseException] = {}
+        sent_at = time.perf_counter()
+        for replica, indices in parts.items():
+            r = self._replicas[replica]
+            try:
+                if r.stream is None:
+                    r.stream = r.client.open_stream(self.tokenizer.vocab_size)
+                await r.stream.write([rows[i].step for i in indices])
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
+                failed[replica] = self._lose(replica, e)
+        return PendingStep(self, parts, rows, sent_at, failed)
+
+    async def _read(self, replica: int) -> gpb.StepResponse:
+        return await asyncio.wait_for(self._replicas[replica].stream.read(), STEP_TIMEOUT_SECONDS)
+
+    def _lose(self, replica: int, cause: BaseException) -> errors.UnavailableError:
+        r = self._replicas[replica]
+        if r.stream is not None:
+            r.stream.cancel()
+            r.stream = None
+        r.pending_closes.clear()  # the replica drops a broken stream's sessions itself
+        detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else (str(cause) or type(cause).__name__)
+        log.warning("grammar replica %s lost its step stream: %s", r.client.target, detail)
+        return errors.UnavailableError(f"grammar replica {r.client.target} lost the step stream: {detail}")
+
+    async def close(self) -> None:
+        for r in self._replicas:
+            if r.stream is not None:
+                r.stream.cancel()
+            await r.client.close()

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the inference service (names are part of the ops contract).
+
+One CollectorRegistry per service instance, as in the grammar service, so
+tests can run servers in-process. Per-step values go to plain histograms
+(one observation per step, not per row).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Request-level latencies on a CPU or GPU: milliseconds to minutes.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Per-token and per-step times: sub-millisecond (GPU decode) to a second (CPU, large batches).
+STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Mask wait is ideally zero: resolve microseconds.
+MASK_WAIT_BUCKETS = (0.0, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class InferenceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "inference_svc_time_to_first_token_seconds", "Arrival to first streamed token.",
+            ["constrained"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "inference_svc_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            ["constrained"], buckets=STEP_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "inference_svc_e2e_request_latency_seconds", "Arrival to the last response of a request.",
+            ["constrained"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "inference_svc_request_queue_time_seconds",
+            "Time a ready request waited for admission to the running batch (grammar compile excluded).",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.grammar_wait = Histogram(
+            "inference_svc_grammar_wait_seconds", "Time a constrained request waited for its grammar to compile.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.forward_duration = Histogram(
+            "inference_svc_forward_duration_seconds", "Wall time of one forward pass (one engine step).",
+            buckets=STEP_BUCKETS, registry=r)
+        self.mask_wait = Histogram(
+            "inference_svc_mask_wait_seconds",
+            "Per step: time sampling waited for grammar masks after the forward finished (0 when hidden).",
+            buckets=MASK_WAIT_BUCKETS, registry=r)
+        self.grammar_rpc_duration = Histogram(
+            "inference_svc_grammar_rpc_duration_seconds",
+            "Per step: grammar step round trip, from writing the step to its last answer.",
+            buckets=STEP_BUCKETS, registry=r)
+        self.running = Gauge("inference_svc_num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge(
+            "inference_svc_num_requests_waiting",
+            "Requests not running: compiling their grammar, queued or preempted.", registry=r)
+        self.kv_usage = Gauge(
+            "inference_svc_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r)
+        self.batch_size = Histogram(
+            "inference_svc_batch_size", "Sequences in one forward pass.", buckets=BATCH_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("inference_svc_prompt_tokens_total", "Prompt tokens of admitted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(
+            "inference_svc_generation_tokens_total", "Completion tokens (sampled and forced).",
+            ["constrained"], registry=r)
+        self.forced_tokens = Counter(
+            "inference_svc_forced_tokens_total", "Completion tokens appended by jump-forward rather than sampled.",
+            registry=r)
+        self.requests = Counter(
+            "inference_svc_requests_total", "Finished requests by finish reason.",
+            ["constrained", "finish_reason"], registry=r)
+        self.preemptions = Counter(
+            "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
+        # Export both label values from the start, so dashboards and rates see zeros, not gaps.
+        for c in ("true", "false"):
+            for m in (self.ttft, self.tpot, self.e2e, self.generation_tokens):
+                m.labels(c)

@@ -1,0 +1,160 @@
+"""Assembles and runs the inference service: model, grammar tier link, engine, gRPC, health, metrics.
+
+Health is NOT_SERVING until the model is loaded and at least one grammar
+replica has the tokenizer; on SIGTERM it turns NOT_SERVING, refuses new
+requests (UNAVAILABLE), lets running ones finish within the grace period and
+cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from inference_svc.config import InferenceServiceConfig
+from inference_svc.engine import Engine, TokenizerView
+from inference_svc.grammar_tier import GrammarTier
+from inference_svc.metrics import InferenceMetrics
+from inference_svc.servicer import InferenceServicer
+from shared.gen.inference.v1 import inference_service_pb2 as pb
+from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from shared.grpc_options import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# Context length of the simulated runner (it has no model config).
+SIMULATED_MAX_MODEL_LEN = 8192
+
+
+def tokenizer_view(tokenizer, extra_eos_ids=()) -> TokenizerView:
+    from inference_svc.text_stream import special_token_ids, token_bytes_for
+
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos.update(extra_eos_ids)
+    return TokenizerView(encode=tokenizer.encode, token_bytes=token_bytes_for(tokenizer),
+                         special_ids=frozenset(special_token_ids(tokenizer)), eos_ids=frozenset(eos))
+
+
+def load_runner(config: InferenceServiceConfig):
+    """(runner, tokenizer, eos ids from the generation config, max model length)."""
+    import torch
+
+    from inference_svc.embedded_model import default_device, ensure_embedded_model, load_model
+    from inference_svc.model_runner import PagedModelRunner
+    from shared.tokenizer import load_hf_tokenizer
+
+    device = config.device or default_device()
+    if device == "cpu":
+        torch.set_num_threads(config.torch_threads())
+    if config.simulate_step_ms:
+        from inference_svc.simulated_runner import SimulatedRunner
+
+        tok = load_hf_tokenizer(str(config.model) if config.model else None)
+        runner = SimulatedRunner(config.simulate_step_ms / 1000.0, vocab_size=len(tok),
+                                 block_size=config.block_size)
+        return runner, tok, (), SIMULATED_MAX_MODEL_LEN
+    path = config.model or ensure_embedded_model(config.model_cache_dir)
+    model, tok = load_model(path, device, config.dtype)
+    runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos_ids = eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
+    return runner, tok, eos_ids, model.config.max_position_embeddings
+
+
+class InferenceServer:
+    """One inference replica. `start` returns once it is SERVING; `stop` drains."""
+
+    def __init__(self, config: InferenceServiceConfig):
+        self.config = config
+        self.metrics = InferenceMetrics()
+        self.engine: Engine | None = None
+        self.grammar: GrammarTier | None = None
+        self.health: health.aio.HealthServicer | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http = None
+
+    async def start(self, grammar_connect_timeout: float = 600.0) -> None:
+        from shared.tokenizer import describe
+
+        c = self.config
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if c.metrics_port:
+            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
+
+        started = time.perf_counter()
+        runner, tok, eos_ids, max_model_len = await asyncio.to_thread(load_runner, c)
+        log.info("model ready in %.1f s (vocab %d, %s)", time.perf_counter() - started, runner.vocab_size,
+                 "simulated" if c.simulate_step_ms else (c.model or "embedded default"))
+        desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
+        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids)
+        self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds)
+        self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
+        if self.port == 0:
+            raise SystemExit(f"cannot listen on {c.host}:{c.port}")
+        await self.server.start()
+
+        deadline = time.monotonic() + grammar_connect_timeout
+        while (n := await self.grammar.connect()) == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no grammar replica reachable at {','.join(c.grammar_targets)}")
+            log.info("waiting for the grammar tier at %s ...", ",".join(c.grammar_targets))
+            await asyncio.sleep(1.0)
+        log.info("grammar tier: %d of %d replica(s) have the tokenizer", n, len(c.grammar_targets))
+        self.engine.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("inference service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
+
+    async def _set_health(self, status) -> None:
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.grace_seconds if grace is None else grace
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine is not None:
+            await self.engine.drain(grace)
+        if self.server is not None:
+            await self.server.stop(1.0)
+        if self.engine is not None:
+            await self.engine.close()
+        if self.grammar is not None:
+            await self.grammar.close()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+
+
+async def serve(config: InferenceServiceConfig) -> None:
+    server = InferenceServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = asyncio.create_task(server.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if start.done():
+        start.result()
+        print(f"inference service listening on {config.host}:{server.port} "
+              f"(metrics http://{config.host}:{server.metrics_port}/metrics)", flush=True)
+        await stopped
+    else:
+        start.cancel()
+    log.info("draining (grace %.1f s)", config.grace_seconds)
+    await server.stop()
