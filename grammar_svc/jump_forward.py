@@ -21,7 +21,12 @@ def forced_tokens(matcher, tokenizer, last_token: int | None) -> tuple[str, list
     hf = tokenizer.hf_tokenizer
     if hf is None:
         return "", []
-    forced = matcher.find_jump_forward_string()
+    try:
+        forced = matcher.find_jump_forward_string()
+    except UnicodeDecodeError:
+        # xgrammar returns the forced bytes as str: inside a multi-byte character
+        # (a token ended mid-character) they are not valid UTF-8. Sample instead.
+        return "", []
     if not forced:
         return "", []
     prefix = ""

@@ -52,7 +52,8 @@ class Output:
     error: BaseException | None = None  # set instead of finish_reason when the request failed
 
 
-@dataclass
+# Identity semantics: a request is itself, whatever its fields say (sets, `in`, remove).
+@dataclass(eq=False)
 class GenerationRequest:
     request_id: str
     prompt_ids: list[int]

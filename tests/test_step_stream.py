@@ -566,6 +566,28 @@ def test_jump_forward_tokens_are_accepted_before_the_mask(registered, grammars, 
     run(go())
 
 
+def test_jump_forward_inside_a_multibyte_character_samples_instead(registered, compiler, tokenizer_desc):
+    """After a token that ends mid-character the forced bytes are not valid UTF-8: no jump, no error."""
+    choice = "🎉 party"
+    spec = pb.GrammarSpec(choice=pb.ChoiceList(choices=[choice]))
+    tokens = xgr.TokenizerInfo.deserialize_json(tokenizer_desc.info_json).decoded_vocab
+    first = next(i for i, b in enumerate(tokens) if bytes(b) == "🎉".encode()[:3])
+
+    async def go():
+        c = Conn(registered.target, registered.vocab_size)
+        try:
+            gid = (await c.client.compile(registered.fingerprint, spec)).grammar_id
+            resp, masks = await c.step(open_step(1, gid, accept_token_ids=[first], jump_forward=True))
+            r = resp.results[0]
+            assert r.status == OK and r.accepted_count == 1, r
+            assert not r.jump_forward.forced_token_ids
+            assert 0 in masks
+        finally:
+            await c.close()
+
+    run(go())
+
+
 # Schemas whose instances mix forced text (keys, punctuation, consts, enum
 # tails) with free text (strings, numbers) at many kinds of boundaries.
 JF_SCHEMAS = {
