@@ -1,0 +1,269 @@
+"""The deployment and observability assets as data, for the deploy tests.
+
+Loads the kustomize base (rendered in Python: kustomize is no Debian package,
+so CI cannot count on it), the Grafana dashboards and the alert rules, and
+knows which metrics the two services export, straight from their metric
+classes. The PromQL reading here is deliberately small: enough to name the
+metrics and labels a query uses, which Prometheus itself then checks in
+tests/test_observability_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+OBS = K8S / "observability"
+DASHBOARDS = OBS / "dashboards"
+RULES_FILE = OBS / "alerts.rules.yml"
+RULES_TEST_FILE = OBS / "alerts.test.yml"
+DATASOURCE_UID = "structd-prometheus"
+
+# Kinds that are custom resources (no schema in kubernetes-validate).
+CUSTOM_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
+CLUSTER_SCOPED_KINDS = {"Namespace"}
+
+
+# --- Kubernetes ------------------------------------------------------------------------------
+
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def kustomization() -> dict:
+    return yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def _set_images(node, images: dict[str, dict]) -> None:
+    """kustomize's image transformer: every container's image, wherever the containers list is."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                for c in value:
+                    name, _, _tag = c["image"].partition(":")
+                    if name in images:
+                        img = images[name]
+                        c["image"] = f"{img.get('newName', name)}:{img.get('newTag', _tag)}"
+            else:
+                _set_images(value, images)
+    elif isinstance(node, list):
+        for v in node:
+            _set_images(v, images)
+
+
+def render() -> list[dict]:
+    """The objects `kubectl kustomize k8s/` produces for this base (resources, namespace,
+    images, configMapGenerator with generatorOptions); the kustomize features used here only."""
+    k = kustomization()
+    ns = k.get("namespace")
+    objs: list[dict] = []
+    for rel in k["resources"]:
+        objs.extend(load_yaml_docs(K8S / rel))
+    gen_opts = k.get("generatorOptions", {})
+    for g in k.get("configMapGenerator", []):
+        opts = g.get("options", {})
+        data = {}
+        for spec in g.get("files", []):
+            key, _, rel = spec.rpartition("=")
+            rel_path = K8S / rel
+            data[key or rel_path.name] = rel_path.read_text()
+        meta = {"name": g["name"]}
+        labels = {**gen_opts.get("labels", {}), **opts.get("labels", {})}
+        annotations = {**gen_opts.get("annotations", {}), **opts.get("annotations", {})}
+        if labels:
+            meta["labels"] = labels
+        if annotations:
+            meta["annotations"] = annotations
+        objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    images = {i["name"]: i for i in k.get("images", [])}
+    for o in objs:
+        if ns and o["kind"] not in CLUSTER_SCOPED_KINDS:
+            o["metadata"]["namespace"] = ns
+        _set_images(o, images)
+    return objs
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels / matchExpressions, or a Service's plain map) matches labels."""
+    match = selector.get("matchLabels", selector) if ("matchLabels" in selector or "matchExpressions" in selector) \
+        else selector
+    if any(labels.get(k) != v for k, v in match.items() if k != "matchExpressions"):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def pod_specs(objs: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(where, pod template metadata, pod spec) for every pod template in the base."""
+    out = []
+    for o in objs:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            t = o["spec"]["template"]
+            out.append((name, t.get("metadata", {}), t["spec"]))
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            for role in ("leaderTemplate", "workerTemplate"):
+                if role in lwt:
+                    out.append((f"{name} {role}", lwt[role].get("metadata", {}), lwt[role]["spec"]))
+    return out
+
+
+# --- dashboards and rules --------------------------------------------------------------------
+
+
+def dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def panels(dashboard: dict) -> list[dict]:
+    """Every non-row panel, including those nested in collapsed rows."""
+    out = []
+    for p in dashboard.get("panels", []):
+        if p.get("type") == "row":
+            out.extend(p.get("panels", []))
+        else:
+            out.append(p)
+    return out
+
+
+@dataclass(frozen=True)
+class Query:
+    where: str  # "grammar.json: Compile latency [A]"
+    expr: str
+
+
+def panel_queries(name: str, dashboard: dict) -> list[Query]:
+    return [Query(f"{name}: {p['title']} [{t['refId']}]", t["expr"])
+            for p in panels(dashboard) for t in p.get("targets", [])]
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load(RULES_FILE.read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def rule_queries() -> list[Query]:
+    return [Query(f"alert {r.get('alert') or r.get('record')}", r["expr"]) for r in alert_rules()]
+
+
+def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
+    """What Grafana sends Prometheus: its interval variables replaced."""
+    for var in ("$__rate_interval", "${__rate_interval}", "$__interval", "${__interval}"):
+        expr = expr.replace(var, rate_interval)
+    return expr
+
+
+# --- what the services export ------------------------------------------------------------------
+
+# Synthesized by Prometheus for every target.
+PROMETHEUS_SERIES = {"up": {"job", "instance"}}
+TARGET_LABELS = {"job", "instance"}
+
+
+def _metric_series(metrics_obj) -> dict[str, set[str]]:
+    """{series name: label names} for every metric a service's metrics class defines."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from shared.metrics import BatchHistogram
+
+    out: dict[str, set[str]] = {}
+    for m in vars(metrics_obj).values():
+        if isinstance(m, BatchHistogram):
+            name, kind, labels = m.name, "histogram", set(m.labelnames)
+        elif isinstance(m, MetricWrapperBase):
+            name, kind, labels = m._name, m._type, set(m._labelnames)
+        else:
+            continue
+        if kind == "histogram":
+            out[name + "_bucket"] = labels | {"le"}
+            out[name + "_sum"] = set(labels)
+            out[name + "_count"] = set(labels)
+        elif kind == "counter":
+            out[name + "_total"] = set(labels)
+        else:
+            out[name] = set(labels)
+    return out
+
+
+def exported_series() -> dict[str, set[str]]:
+    """Every series name the grammar and inference services export, with its labels
+    (target labels job/instance included), plus Prometheus' own `up`."""
+    from grammar_svc.metrics import GrammarMetrics
+    from inference_svc.metrics import InferenceMetrics
+
+    out = {k: v | TARGET_LABELS for k, v in PROMETHEUS_SERIES.items()}
+    for obj in (GrammarMetrics(), InferenceMetrics()):
+        for name, labels in _metric_series(obj).items():
+            out[name] = labels | TARGET_LABELS
+    return out
+
+
+# --- a small PromQL reader ---------------------------------------------------------------------
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+_MATCHERS = re.compile(r"\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+_RANGE = re.compile(r"\[[^\]]*\]")
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_IDENT = re.compile(r"(?<![\w.$])([a-zA-Z_:][a-zA-Z0-9_:]*)(?!\w)")
+_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
+             "group_right", "inf", "nan", "atan2"}
+
+
+@dataclass(frozen=True)
+class PromqlNames:
+    metrics: frozenset[str]
+    labels: frozenset[str]  # label names in matchers and grouping clauses
+
+
+def promql_names(expr: str) -> PromqlNames:
+    """Metric and label names an expression uses (functions and keywords excluded)."""
+    labels: set[str] = set()
+    text = _STRING.sub('""', grafana_to_promql(expr))
+    for m in _MATCHERS.finditer(text):
+        labels.update(_MATCHER_LABEL.findall(m.group(1)))
+    text = _MATCHERS.sub(" ", text)
+    text = _RANGE.sub(" ", text)
+    for m in _GROUPING.finditer(text):
+        labels.update(x.strip() for x in m.group(2).split(",") if x.strip())
+    text = _GROUPING.sub(" ", text)
+    metrics = set()
+    for m in _IDENT.finditer(text):
+        word = m.group(1)
+        if word.lower() in _KEYWORDS or re.match(r"\s*\(", text[m.end():]):
+            continue  # keyword or function / aggregation call
+        metrics.add(word)
+    return PromqlNames(frozenset(metrics), frozenset(labels))
+
+
+_QUANTILE = re.compile(
+    r"histogram_quantile\(\s*(?P<q>[0-9.]+)\s*,\s*sum\s+by\s*\((?P<by>[^)]*)\)\s*"
+    r"\(\s*rate\(\s*(?P<metric>[a-zA-Z_:][a-zA-Z0-9_:]*_bucket)(?:\{[^}]*\})?\[[^\]]+\]\s*\)\s*\)\s*\)")
+
+
+def quantile_uses(expr: str) -> list[tuple[float, str, set[str]]]:
+    """(quantile, bucket series, by-labels) for each well-formed histogram_quantile in expr."""
+    return [(float(m["q"]), m["metric"], {x.strip() for x in m["by"].split(",")}) for m in _QUANTILE.finditer(expr)]

@@ -1,0 +1,42 @@
+"""Alert rules with Prometheus' own tool: syntax (`promtool check rules`) and
+behaviour (`promtool test rules` on k8s/observability/alerts.test.yml)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import yaml
+
+from tests.conftest import require_tool
+from tests.deploy_assets import OBS, RULES_FILE, RULES_TEST_FILE, alert_rules
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([require_tool("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=OBS)
+
+
+def test_promtool_check_rules():
+    out = promtool("check", "rules", RULES_FILE.name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in out.stdout
+
+
+def test_promtool_test_rules():
+    out = promtool("test", "rules", RULES_TEST_FILE.name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_has_a_unit_test_where_it_fires():
+    tests = yaml.safe_load(RULES_TEST_FILE.read_text())
+    assert tests["rule_files"] == [RULES_FILE.name]
+    fired = {c["alertname"] for t in tests["tests"] for c in t.get("alert_rule_test", []) if c.get("exp_alerts")}
+    quiet = {c["alertname"] for t in tests["tests"] for c in t.get("alert_rule_test", []) if not c.get("exp_alerts")}
+    names = {r["alert"] for r in alert_rules()}
+    assert names - fired == set(), "alerts never shown to fire"
+    assert names - quiet == set(), "alerts never shown to stay quiet"
+
+
+def test_promtool_check_config_of_the_compose_prometheus():
+    out = promtool("check", "config", "prometheus.yml")
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,419 @@
+"""The kustomize base in k8s/: core kinds against the Kubernetes OpenAPI
+schemas (kubernetes-validate, offline, strict), the custom resources
+(LeaderWorkerSet, ServiceMonitor, PodMonitor, PrometheusRule) structurally,
+and the wiring between objects: selectors, named ports, probes, the
+NetworkPolicy, security contexts, and container args parsed by the real
+`structd` command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.deploy_assets import (CUSTOM_KINDS, K8S, REPO, RULES_FILE, by_kind, kustomization, load_yaml_docs, one,
+                                 pod_specs, render, selects)
+
+# Oldest Kubernetes the base supports (grpc probes GA in 1.27, LWS needs >= 1.26) and the newest schemas shipped.
+K8S_VERSIONS = ("1.29.0", "1.37.0")
+NAMESPACE = "structd"
+
+
+@pytest.fixture(scope="module")
+def objs():
+    return render()
+
+
+def _container(spec: dict, name: str | None = None) -> dict:
+    cs = spec["containers"]
+    return cs[0] if name is None else next(c for c in cs if c["name"] == name)
+
+
+def _port(container: dict, name: str) -> int:
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
+
+
+def _lws(objs):
+    return one(objs, "LeaderWorkerSet", "structd-inference")
+
+
+def _lws_template(objs, role: str) -> dict:
+    return _lws(objs)["spec"]["leaderWorkerTemplate"][role]
+
+
+# --- the kustomization itself ------------------------------------------------------------
+
+
+def test_every_manifest_is_listed_and_every_listed_file_exists():
+    k = kustomization()
+    listed = set(k["resources"])
+    for rel in listed:
+        assert (K8S / rel).is_file(), rel
+    manifests = {str(p.relative_to(K8S)) for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert manifests == listed, f"manifests not in kustomization.yaml: {sorted(manifests - listed)}"
+    for g in k["configMapGenerator"]:
+        for spec in g["files"]:
+            assert (K8S / spec.rpartition("=")[2]).is_file(), spec
+
+
+def test_everything_lands_in_the_namespace(objs):
+    ns = one(objs, "Namespace")
+    assert ns["metadata"]["name"] == NAMESPACE == kustomization()["namespace"]
+    for o in objs:
+        if o["kind"] != "Namespace":
+            assert o["metadata"]["namespace"] == NAMESPACE
+
+
+def test_names_are_unique_per_kind(objs):
+    keys = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(keys) == len(set(keys))
+
+
+# --- schemas --------------------------------------------------------------------------------
+
+
+def _core(objs):
+    return [o for o in objs if o["kind"] not in CUSTOM_KINDS]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_core_kinds_validate_against_kubernetes_schemas(objs, version):
+    import kubernetes_validate
+
+    kinds = set()
+    for o in _core(objs):
+        try:
+            kubernetes_validate.validate(o, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = "/".join(str(p) for p in e.path)
+            pytest.fail(f"{o['kind']}/{o['metadata']['name']} (k8s {version}): {path}: {e.message}")
+        kinds.add(o["kind"])
+    assert {"Namespace", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+            "NetworkPolicy", "ConfigMap", "PersistentVolumeClaim"} <= kinds
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_leaderworkerset_pod_templates_validate_as_pod_templates(objs, version):
+    """The LWS CRD embeds core PodTemplateSpecs: check them with the core schema."""
+    import kubernetes_validate
+
+    for role in ("leaderTemplate", "workerTemplate"):
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
+                   "metadata": {"name": f"lws-{role.lower()}", "namespace": NAMESPACE},
+                   "template": copy.deepcopy(_lws_template(objs, role))}
+        try:
+            kubernetes_validate.validate(wrapped, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"LeaderWorkerSet {role} (k8s {version}): {'/'.join(map(str, e.path))}: {e.message}")
+
+
+def test_kubernetes_validate_rejects_a_broken_manifest(objs):
+    """The validator is strict: an unknown field is an error, not a silent pass."""
+    import kubernetes_validate
+
+    bad = copy.deepcopy(one(objs, "Deployment", "structd-grammar"))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+# --- grammar tier ---------------------------------------------------------------------------
+
+
+def test_grammar_deployment_service_hpa_pdb_fit_together(objs):
+    dep = one(objs, "Deployment", "structd-grammar")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert selects(dep["spec"]["selector"], pod_labels)
+    assert "replicas" not in dep["spec"], "the HPA owns the replica count"
+    c = _container(dep["spec"]["template"]["spec"])
+    assert c["image"].startswith("structd-grammar:")
+
+    svc = one(objs, "Service", "structd-grammar")
+    assert svc["spec"]["clusterIP"] == "None", "headless: clients balance per stream over DNS"
+    assert selects(svc["spec"]["selector"], pod_labels)
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert set(ports) == {"grpc", "metrics"}
+    for name, p in ports.items():
+        assert p["targetPort"] == name and p["port"] == _port(c, name)
+
+    hpa = one(objs, "HorizontalPodAutoscaler", "structd-grammar")
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", "structd-grammar")
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    assert "cpu" in c["resources"]["requests"], "CPU utilization targets need a CPU request"
+
+    pdb = one(objs, "PodDisruptionBudget", "structd-grammar")
+    assert selects(pdb["spec"]["selector"], pod_labels)
+    budget = pdb["spec"]
+    assert budget.get("maxUnavailable", 0) >= 1 or budget.get("minAvailable", 1 << 30) < hpa["spec"]["minReplicas"], \
+        "the PDB must still allow a drain"
+
+
+def test_grpc_probes_everywhere(objs):
+    for where, _meta, spec in pod_specs(objs):
+        for c in spec["containers"]:
+            grpc_port = _port(c, "grpc")
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == grpc_port, f"{where}: {probe} must be a grpc probe"
+            assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 120, \
+                f"{where}: start-up (model load, preload) needs minutes before liveness applies"
+
+
+def test_network_policy_lets_only_inference_pods_reach_the_grammar_tier(objs):
+    pol = one(objs, "NetworkPolicy", "structd-grammar")
+    spec = pol["spec"]
+    grammar_pods = one(objs, "Deployment", "structd-grammar")["spec"]["template"]["metadata"]["labels"]
+    grammar_container = _container(one(objs, "Deployment", "structd-grammar")["spec"]["template"]["spec"])
+    assert selects(spec["podSelector"], grammar_pods)
+    assert "Ingress" in spec["policyTypes"]
+    inference_pods = [meta["labels"] for where, meta, _ in pod_specs(objs) if "LeaderWorkerSet" in where]
+    assert inference_pods and not selects(spec["podSelector"], inference_pods[0])
+
+    grpc_rules = []
+    for rule in spec["ingress"]:
+        assert rule.get("from"), "an ingress rule without `from` admits every source"
+        ports = rule.get("ports")
+        assert ports, "an ingress rule without ports opens every port"
+        port_numbers = {_port(grammar_container, p["port"]) if isinstance(p["port"], str) else p["port"]
+                        for p in ports}
+        if _port(grammar_container, "grpc") in port_numbers:
+            grpc_rules.append(rule)
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, "gRPC only from pods in this namespace, no ipBlock/namespace"
+                assert all(selects(peer["podSelector"], labels) for labels in inference_pods)
+                assert not selects(peer["podSelector"], grammar_pods)
+        else:
+            assert port_numbers == {_port(grammar_container, "metrics")}, "only /metrics besides gRPC"
+    assert grpc_rules, "no rule admits the inference pods"
+
+
+def test_grammar_env_names_config_fields(objs):
+    from grammar_svc.config import ENV_PREFIX, GrammarServiceConfig
+
+    fields = {f.name for f in dataclasses.fields(GrammarServiceConfig)}
+    c = _container(one(objs, "Deployment", "structd-grammar")["spec"]["template"]["spec"])
+    for e in c.get("env", []):
+        if e["name"].startswith(ENV_PREFIX):
+            assert e["name"][len(ENV_PREFIX):].lower() in fields, f"{e['name']} configures nothing"
+
+
+# --- inference tier -------------------------------------------------------------------------
+
+
+def test_leaderworkerset_structure(objs):
+    lws = _lws(objs)
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert isinstance(lwt["size"], int) and lwt["size"] >= 1
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert isinstance(lws["spec"]["replicas"], int) and lws["spec"]["replicas"] >= 1
+    roles = {}
+    for role in ("leaderTemplate", "workerTemplate"):
+        t = lwt[role]
+        roles[role] = t["metadata"]["labels"]["structd.io/role"]
+        spec = t["spec"]
+        c = _container(spec, "inference")
+        assert c["image"].startswith("structd-inference:")
+        res = c["resources"]
+        assert int(res["limits"]["nvidia.com/gpu"]) >= 1, role
+        assert res["requests"].get("nvidia.com/gpu", res["limits"]["nvidia.com/gpu"]) == res["limits"]["nvidia.com/gpu"]
+
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        shm = volumes[mounts["/dev/shm"]["name"]]
+        assert shm["emptyDir"]["medium"] == "Memory", f"{role}: /dev/shm must be a memory emptyDir"
+        models = volumes[mounts["/models"]["name"]]
+        assert "persistentVolumeClaim" in models and mounts["/models"]["readOnly"] is True
+        args = c["args"]
+        model_arg = next(a for a in args if a.startswith("--model="))
+        assert model_arg.split("=", 1)[1].startswith("/models/"), "the model comes from the volume"
+
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["RANK"] == "$(LWS_WORKER_INDEX)"
+        assert env["WORLD_SIZE"] == "$(LWS_GROUP_SIZE)"
+        assert env["MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)"
+        assert "--tp=$(LWS_GROUP_SIZE)" in args, "TP degree follows the group size"
+    assert roles == {"leaderTemplate": "leader", "workerTemplate": "worker"}
+
+
+def test_models_claim_exists(objs):
+    for where, _meta, spec in pod_specs(objs):
+        for v in spec.get("volumes", []):
+            if "persistentVolumeClaim" in v:
+                one(objs, "PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"])
+
+
+def test_leader_service_selects_leaders_only(objs):
+    svc = one(objs, "Service", "structd-inference-leader")
+    leader = _lws_template(objs, "leaderTemplate")
+    worker = _lws_template(objs, "workerTemplate")
+    assert selects(svc["spec"]["selector"], leader["metadata"]["labels"])
+    assert not selects(svc["spec"]["selector"], worker["metadata"]["labels"])
+    c = _container(leader["spec"], "inference")
+    for p in svc["spec"]["ports"]:
+        assert p["port"] == _port(c, p["targetPort"])
+    # The LWS controller creates a headless Service named after the LWS itself.
+    assert svc["metadata"]["name"] != _lws(objs)["metadata"]["name"]
+
+
+def test_inference_reaches_the_grammar_service_by_dns(objs):
+    grammar_svc = one(objs, "Service", "structd-grammar")
+    grpc_port = next(p["port"] for p in grammar_svc["spec"]["ports"] if p["name"] == "grpc")
+    for role in ("leaderTemplate", "workerTemplate"):
+        args = _container(_lws_template(objs, role)["spec"], "inference")["args"]
+        target = next(a for a in args if a.startswith("--grammar-target=")).split("=", 1)[1]
+        assert target == f"dns:///{grammar_svc['metadata']['name']}:{grpc_port}"
+
+
+# --- pods in general --------------------------------------------------------------------------
+
+
+def _dockerfile_user(path) -> str:
+    users = re.findall(r"^USER\s+(\S+)", path.read_text(), re.M)
+    return users[-1].split(":")[0]
+
+
+def test_pods_run_non_root_with_read_only_root_filesystems(objs):
+    image_user = {"structd-grammar": _dockerfile_user(REPO / "grammar_svc" / "Dockerfile"),
+                  "structd-inference": _dockerfile_user(REPO / "inference_svc" / "Dockerfile")}
+    for where, _meta, spec in pod_specs(objs):
+        psc = spec["securityContext"]
+        assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0, where
+        assert psc["seccompProfile"]["type"] == "RuntimeDefault", where
+        assert spec.get("automountServiceAccountToken") is False, f"{where}: no API access needed"
+        writable = {m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])
+                    if not m.get("readOnly")}
+        assert "/tmp" in writable, f"{where}: a read-only root filesystem needs a writable /tmp (HOME)"
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert "memory" in c["resources"]["limits"], f"{where}: unbounded memory"
+            image = c["image"].split(":")[0]
+            assert str(psc["runAsUser"]) == image_user[image], f"{where}: runAsUser differs from the image's USER"
+
+
+def test_container_args_parse_with_the_real_cli(objs, monkeypatch):
+    """Each container's ENTRYPOINT + args, as `structd` parses and validates them.
+    $(VAR) stands for what Kubernetes substitutes; the model path exists only in the cluster."""
+    from grammar_svc import config as gconfig
+    from inference_svc import config as iconfig
+    from shared.cli import build_parser
+
+    lws_env = {"LWS_GROUP_SIZE": str(_lws(objs)["spec"]["leaderWorkerTemplate"]["size"]),
+               "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "structd-inference-0.structd-inference"}
+
+    def expand(s: str) -> str:
+        return re.sub(r"\$\((\w+)\)", lambda m: lws_env[m.group(1)], s)
+
+    def entrypoint(dockerfile) -> list[str]:
+        return yaml.safe_load(re.search(r"^ENTRYPOINT\s+(\[.*\])", dockerfile.read_text(), re.M).group(1))
+
+    for where, _meta, spec in pod_specs(objs):
+        c = spec["containers"][0]
+        env = {e["name"]: expand(e["value"]) for e in c.get("env", []) if "value" in e}
+        service = "grammar" if "grammar" in c["image"] else "inference"
+        argv = entrypoint(REPO / f"{service}_svc" / "Dockerfile")
+        assert argv[:2] == ["structd", service]
+        args = build_parser(env).parse_args(argv[1:] + [expand(a) for a in c.get("args", [])])
+        if service == "grammar":
+            cfg = gconfig.from_args(args)
+            assert cfg.host == "0.0.0.0", where
+            assert (cfg.port, cfg.metrics_port) == (_port(c, "grpc"), _port(c, "metrics")), where
+        else:
+            args.model = None
+            cfg = iconfig.from_args(args)
+            assert cfg.host == "0.0.0.0", where
+            assert (cfg.port, cfg.metrics_port) == (_port(c, "grpc"), _port(c, "metrics")), where
+            assert cfg.device == "cuda"
+
+
+# --- monitoring -------------------------------------------------------------------------------
+
+
+def test_service_monitor_scrapes_the_grammar_metrics_port(objs):
+    sm = one(objs, "ServiceMonitor", "structd-grammar")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    svc = one(objs, "Service", "structd-grammar")
+    assert selects(sm["spec"]["selector"], svc["metadata"]["labels"])
+    assert not selects(sm["spec"]["selector"], one(objs, "Service", "structd-inference-leader")["metadata"]["labels"])
+    svc_ports = {p["name"] for p in svc["spec"]["ports"]}
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+    assert "metrics" in svc_ports
+    for e in sm["spec"]["endpoints"]:
+        assert e.get("path", "/metrics") == "/metrics"
+
+
+def test_pod_monitor_scrapes_the_inference_leaders(objs):
+    pm = one(objs, "PodMonitor", "structd-inference")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    leader = _lws_template(objs, "leaderTemplate")
+    assert selects(pm["spec"]["selector"], leader["metadata"]["labels"])
+    assert not selects(pm["spec"]["selector"], _lws_template(objs, "workerTemplate")["metadata"]["labels"])
+    c = _container(leader["spec"], "inference")
+    for e in pm["spec"]["podMetricsEndpoints"]:
+        assert e["port"] == "metrics" and _port(c, "metrics")
+
+
+def test_alert_rule_job_selectors_match_the_monitors_job_labels(objs):
+    """A ServiceMonitor's job label is the Service name; a PodMonitor's is namespace/name."""
+    jobs = {"grammar": one(objs, "Service", "structd-grammar")["metadata"]["name"],
+            "inference": f"{NAMESPACE}/{one(objs, 'PodMonitor')['metadata']['name']}"}
+    text = RULES_FILE.read_text()
+    patterns = set(re.findall(r'job=~"([^"]+)"', text))
+    assert patterns
+    for pattern in patterns:
+        assert any(re.fullmatch(pattern, j) for j in jobs.values()), f"job=~{pattern!r} matches no monitor's job"
+    for kind, job in jobs.items():
+        assert any(re.fullmatch(p, job) for p in patterns), f"no alert watches the {kind} job {job!r}"
+
+
+# --- generated config maps -------------------------------------------------------------------
+
+
+def test_config_maps_are_generated_from_the_same_files(objs):
+    dash = one(objs, "ConfigMap", "structd-grafana-dashboards")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash_dir = K8S / "observability" / "dashboards"
+    assert dash["data"] == {p.name: p.read_text() for p in sorted(dash_dir.glob("*.json"))}
+    rules = one(objs, "ConfigMap", "structd-alert-rules")
+    assert list(rules["data"].values()) == [RULES_FILE.read_text()]
+    ds = one(objs, "ConfigMap", "structd-grafana-datasource")
+    assert ds["metadata"]["labels"]["grafana_datasource"] == "1"
+
+
+def test_prometheus_rule_is_the_rule_file(objs):
+    pr = one(objs, "PrometheusRule", "structd")
+    assert pr["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pr["spec"]["groups"] == yaml.safe_load(RULES_FILE.read_text())["groups"], \
+        "k8s/observability/prometheusrule.yaml is stale: copy alerts.rules.yml's groups into it"
+
+
+def test_kubectl_kustomize_renders_what_the_tests_check(objs):
+    """Where kubectl is installed (its kustomize is the reference; there is no usable Debian
+    package, so CI may lack it), the base renders to exactly the objects checked above."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (optional: the Python rendering is checked without it)")
+    out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+
+    def key(o):
+        return (o["kind"], o["metadata"]["name"])
+
+    assert sorted(rendered, key=key) == sorted(objs, key=key)
+
+
+def test_manifests_parse_as_single_objects():
+    for p in K8S.rglob("*.yaml"):
+        if p.name != "kustomization.yaml":
+            assert len(load_yaml_docs(p)) == 1, f"{p}: one object per file keeps kustomization.yaml the index"
+    assert not by_kind(render(), "Secret"), "no secrets in the base"
