@@ -16,7 +16,6 @@ fixture that starts the service and sends its traffic.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import socket
@@ -299,9 +298,8 @@ def test_every_alert_expression_evaluates(prometheus, query):
 def test_prometheus_evaluates_every_rule_without_error(prometheus):
     def evaluated():
         rules = [r for g in prometheus.api("rules")["data"]["groups"] for r in g["rules"]]
-        return len(rules) == len(alert_rules()) and all(r.get("lastEvaluation", "").startswith("2") and
-                                                        not r["lastEvaluation"].startswith("0001")
-                                                        for r in rules)
+        # Never-evaluated rules report Go's zero time.
+        return len(rules) == len(alert_rules()) and not any(r["lastEvaluation"].startswith("0001") for r in rules)
 
     prometheus.wait(evaluated, 20, "every rule evaluated once")
     rules = [r for g in prometheus.api("rules")["data"]["groups"] for r in g["rules"]]
