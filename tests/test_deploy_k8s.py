@@ -206,10 +206,24 @@ def test_grammar_env_names_config_fields(objs):
 # --- inference tier -------------------------------------------------------------------------
 
 
+# Fields of the LeaderWorkerSet v1 API (leaderworkerset_types.go): a misspelt
+# field would be pruned by the API server without a word.
+LWS_SPEC_FIELDS = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+LWS_TEMPLATE_FIELDS = {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy",
+                       "volumeClaimTemplates", "persistentVolumeClaimRetentionPolicy"}
+LWS_ROLLING_UPDATE_FIELDS = {"partition", "maxUnavailable", "maxSurge"}
+
+
 def test_leaderworkerset_structure(objs):
     lws = _lws(objs)
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert set(lws["spec"]) <= LWS_SPEC_FIELDS
+    assert lws["spec"].get("startupPolicy", "LeaderCreated") in {"LeaderCreated", "LeaderReady"}
+    rollout = lws["spec"].get("rolloutStrategy", {})
+    assert rollout.get("type", "RollingUpdate") == "RollingUpdate"
+    assert set(rollout.get("rollingUpdateConfiguration", {})) <= LWS_ROLLING_UPDATE_FIELDS
     lwt = lws["spec"]["leaderWorkerTemplate"]
+    assert set(lwt) <= LWS_TEMPLATE_FIELDS
     assert isinstance(lwt["size"], int) and lwt["size"] >= 1
     assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert isinstance(lws["spec"]["replicas"], int) and lws["spec"]["replicas"] >= 1
@@ -336,6 +350,21 @@ def test_container_args_parse_with_the_real_cli(objs, monkeypatch):
 
 
 # --- monitoring -------------------------------------------------------------------------------
+
+
+# Fields of prometheus-operator's monitoring.coreos.com/v1 monitors used or likely here.
+MONITOR_SPEC_FIELDS = {"selector", "namespaceSelector", "endpoints", "podMetricsEndpoints", "jobLabel",
+                       "targetLabels", "podTargetLabels", "sampleLimit", "attachMetadata"}
+ENDPOINT_FIELDS = {"port", "targetPort", "path", "scheme", "interval", "scrapeTimeout", "honorLabels",
+                   "relabelings", "metricRelabelings", "params"}
+
+
+def test_monitor_fields_are_known(objs):
+    for kind, endpoints in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints")):
+        for m in by_kind(objs, kind):
+            assert set(m["spec"]) <= MONITOR_SPEC_FIELDS, m["metadata"]["name"]
+            for e in m["spec"][endpoints]:
+                assert set(e) <= ENDPOINT_FIELDS, e
 
 
 def test_service_monitor_scrapes_the_grammar_metrics_port(objs):
