@@ -308,6 +308,7 @@ class Engine:
             self._finish(req, None, error=cls(f"grammar session: {result.error_message}"))
         return False
 
+    @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
     def _mask_and_sample(self, logits: torch.Tensor, masked: list[int], ban_eos: list[int],
                          rows: list[int], samplers: list[RowSampler]) -> list[int]:
         if masked:

@@ -199,7 +199,7 @@ class GrammarTier:
                 if r.stream is None:
                     r.stream = r.client.open_stream(self.tokenizer.vocab_size)
                 await r.stream.write([rows[i].step for i in indices])
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as e:
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as e:
                 failed[replica] = self._lose(replica, e)
         return PendingStep(self, parts, rows, sent_at, failed)
 

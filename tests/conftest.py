@@ -68,6 +68,9 @@ class ServerThread:
         return f"127.0.0.1:{self.server.port}"
 
     def stop(self) -> None:
+        """Idempotent: a test may stop the server early (a lost replica); the fixture stops it again."""
+        if not self._thread.is_alive():
+            return
         self.call(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
@@ -135,3 +138,71 @@ def registered(grammar_server, tokenizer_desc) -> Grammar:
 
     run(go())
     return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
+
+
+class InferenceServerThread:
+    """An InferenceServer on a private event loop in a daemon thread (like ServerThread)."""
+
+    def __init__(self, config):
+        from inference_svc.server import InferenceServer
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="inference-server")
+        self._thread.start()
+        self.server = InferenceServer(config)
+        self.call(self.server.start(grammar_connect_timeout=60.0), timeout=600.0)
+
+    def call(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run_sync(self, fn, timeout: float = 30.0):
+        """Runs fn() on the server's loop (engine state is only touched there)."""
+
+        async def go():
+            return fn()
+
+        return self.call(go(), timeout)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.call(self.server.stop(0), timeout=60.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+# Compiles in a few seconds on the service (bounded strings are xgrammar's slow case): the "slow grammar".
+SLOW_SCHEMA = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 40 + i} for i in range(4)},
+               "required": [f"k{i}" for i in range(4)]}
+# Far past the test server's compile deadline.
+TOO_SLOW_SCHEMA = {"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 40 + i} for i in range(12)},
+                   "required": [f"k{i}" for i in range(12)]}
+TEST_COMPILE_TIMEOUT_SECONDS = 6.0
+
+
+@pytest.fixture(scope="session")
+def inference_server(grammar_server):
+    """The real inference service on the embedded model, wired to the session's grammar server."""
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    cfg = InferenceServiceConfig(
+        host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,), num_threads=1,
+        kv_cache_bytes=64 * 1024**2, block_size=16,
+        engine=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_waiting=64, default_max_tokens=32,
+                            compile_timeout_seconds=TEST_COMPILE_TIMEOUT_SECONDS))
+    srv = InferenceServerThread(cfg)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def inference_client(inference_server):
+    from shared.inference_client import InferenceClient
+
+    client = InferenceClient(inference_server.target)
+    yield client
+    client.close()

@@ -1,0 +1,187 @@
+"""Generate's status codes: every error a client can cause or meet, each with a message that says what to do.
+
+Limits, a lost grammar tier and draining run on a second inference server
+with the simulated runner (it starts in seconds and its steps take a fixed
+time), wired to a grammar replica of its own that the last tests stop.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from shared.inference_client import InferenceClient, InferenceError
+from tests.conftest import TOO_SLOW_SCHEMA, InferenceServerThread, require_tool, start_grammar_server
+
+BAD = [
+    pytest.param(dict(prompt=""), "prompt is empty", id="empty-prompt"),
+    pytest.param(dict(temperature=-1.0), "temperature", id="negative-temperature"),
+    pytest.param(dict(top_p=1.5), "top_p", id="top-p-above-1"),
+    pytest.param(dict(top_k=-3), "top_k", id="negative-top-k"),
+    pytest.param(dict(max_tokens=1_000_000), "max_tokens", id="max-tokens-past-context"),
+    pytest.param(dict(stop=[""]), "stop", id="empty-stop-string"),
+    pytest.param(dict(json_schema="{not json"), "constraint", id="schema-not-json"),
+    pytest.param(dict(json_schema='{"type": "no-such-type"}'), "constraint", id="schema-bad-type"),
+    pytest.param(dict(regex="[a-"), "constraint", id="regex-unterminated"),
+    pytest.param(dict(ebnf="root ::= missing_rule"), "constraint", id="ebnf-undefined-rule"),
+    pytest.param(dict(regex=""), "constraint.regex is empty", id="regex-empty"),
+    pytest.param(dict(choice=[]), "choice", id="choice-empty"),
+    pytest.param(dict(structural_tag="[]"), "constraint", id="structural-tag-not-object"),
+]
+
+
+@pytest.mark.parametrize("kwargs, needle", BAD)
+def test_invalid_argument_names_the_problem(inference_client, kwargs, needle):
+    prompt = kwargs.pop("prompt", "hi")
+    with pytest.raises(InferenceError) as err:
+        inference_client.complete(prompt, **kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.message
+    assert "Traceback" not in err.value.message
+
+
+def test_compile_deadline_is_deadline_exceeded(inference_client):
+    with pytest.raises(InferenceError) as err:
+        inference_client.complete("x", json_schema=TOO_SLOW_SCHEMA)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline" in err.value.message
+
+
+def test_client_deadline_frees_the_request(inference_client, inference_server):
+    with pytest.raises(InferenceError) as err:
+        inference_client.complete("long", max_tokens=400, ignore_eos=True, timeout=0.5)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while inference_server.run_sync(lambda: inference_server.server.engine.num_active):
+        assert time.monotonic() < deadline, "the timed-out request still holds engine state"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------ a simulated-runner server with tight limits
+
+@pytest.fixture(scope="module")
+def own_grammar():
+    srv = start_grammar_server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def simulated(own_grammar):
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    cfg = InferenceServiceConfig(
+        host="127.0.0.1", port=0, metrics_port=_free_port(), grammar_targets=(own_grammar.target,),
+        simulate_step_ms=5.0, grace_seconds=1.0,
+        engine=EngineConfig(max_num_seqs=1, max_waiting=2, default_max_tokens=16))
+    srv = InferenceServerThread(cfg)
+    yield srv
+    srv.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _background(target, **kwargs):
+    """Streams a request on its own thread; returns (thread, result box)."""
+    box: dict = {}
+
+    def go():
+        with InferenceClient(target) as client:
+            try:
+                box["out"] = client.complete(**kwargs)
+            except InferenceError as e:
+                box["err"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_waiting_queue_limit_is_resource_exhausted(simulated):
+    engine = simulated.server.engine
+    long = [_background(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True) for i in range(3)]
+    # One runs (max_num_seqs=1), two wait (max_waiting=2): the next is refused.
+    _wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == 3, "three requests admitted")
+    with InferenceClient(simulated.target) as client, pytest.raises(InferenceError) as err:
+        client.complete("one too many", max_tokens=2)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "waiting" in err.value.message
+    for t, box in long:
+        t.join(60)
+        assert box["out"].finish_reason == "length", box
+
+
+def test_live_metrics_exposition_passes_promtool(simulated):
+    promtool = require_tool("promtool")
+    with InferenceClient(simulated.target) as client:
+        client.complete("m", regex="[0-9]{3}", max_tokens=8)
+        client.complete("m", max_tokens=3, ignore_eos=True)
+    port = simulated.server.metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    for name in ("inference_svc_time_to_first_token_seconds_bucket", "inference_svc_mask_wait_seconds_count",
+                 'inference_svc_requests_total{constrained="true",finish_reason="stop"}',
+                 "inference_svc_kv_cache_usage_ratio", "inference_svc_grammar_rpc_duration_seconds_count"):
+        assert name.encode() in text, name
+
+
+def test_lost_grammar_replica_fails_its_requests_alone(simulated, own_grammar):
+    constrained = _background(simulated.target, prompt="c", regex="[a-z]{1,2000}", max_tokens=1500)
+    unconstrained = _background(simulated.target, prompt="u", max_tokens=60, ignore_eos=True)
+    engine = simulated.server.engine
+    _wait_until(lambda: simulated.run_sync(lambda: any(r.constrained and r.num_output > 2
+                                                       for r in engine.scheduler.running)),
+                "the constrained request is decoding")
+    own_grammar.stop()
+    for t, _ in (constrained, unconstrained):
+        t.join(60)
+    err = constrained[1]["err"]
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+    assert "grammar" in err.message
+    assert unconstrained[1]["out"].finish_reason == "length"
+    # With the grammar tier gone, new constrained requests are refused, unconstrained ones served.
+    with InferenceClient(simulated.target) as client:
+        with pytest.raises(InferenceError) as refused:
+            client.complete("c2", regex="[0-9]+", max_tokens=4)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert client.complete("u2", max_tokens=3, ignore_eos=True).finish_reason == "length"
+
+
+def test_drain_finishes_streams_and_refuses_new_requests(simulated):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    t, box = _background(simulated.target, prompt="drain", max_tokens=5000, ignore_eos=True)
+    engine = simulated.server.engine
+    _wait_until(lambda: simulated.run_sync(lambda: len(engine.scheduler.running)) == 1, "request running")
+    stopping = threading.Thread(target=lambda: simulated.call(simulated.server.stop(grace=0.5)), daemon=True)
+    stopping.start()
+    with grpc.insecure_channel(simulated.target) as ch:
+        _wait_until(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING, "health turns NOT_SERVING")
+        with pytest.raises(InferenceError) as err:
+            InferenceClient(simulated.target, channel=ch).complete("late", max_tokens=2)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "draining" in err.value.message
+    t.join(60)
+    stopping.join(60)
+    assert box["out"].finish_reason == "cancelled"
+    assert box["out"].usage.completion_tokens == len(box["out"].token_ids) > 0
