@@ -29,7 +29,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import xgrammar as xgr
 

@@ -1,9 +1,9 @@
-"""The inference client (shared.inference_client) and `structd generate`, without the real service.
+"""The inference client (shared.inference_client) and `structd generate`.
 
 Request building is checked field by field; streaming, error mapping,
-cancellation, health polling and the CLI run against a scripted in-process
-InferenceService (FakeInference) or a port nothing listens on. End-to-end
-tests against the real inference service live with that service.
+cancellation, health polling and the CLI run against the real inference
+service (the session's server on the embedded model) or a port nothing
+listens on.
 """
 
 from __future__ import annotations
@@ -17,19 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from concurrent import futures
-from typing import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared import generate_cli
 from shared.gen.inference.v1 import inference_service_pb2 as pb
-from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.inference_client import (AsyncInferenceClient, Chunk, Completion, InferenceClient, InferenceError,
+from shared.inference_client import (AsyncInferenceClient, Completion, InferenceClient, InferenceError,
                                      RequestOptions, Usage, build_request, finish_reason_name)
 from tests.conftest import REPO
 
@@ -46,50 +41,6 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class FakeInference(pb_grpc.InferenceServiceServicer):
-    """Answers by prompt: "hello" streams two chunks then STOP; "abort" fails
-    with INVALID_ARGUMENT; "endless" streams until cancelled; "error" ends
-    with FINISH_REASON_ERROR; "unfinished" ends without a finish reason."""
-
-    def __init__(self):
-        self.requests: list[pb.GenerateRequest] = []
-        self.cancelled = threading.Event()
-
-    def Generate(self, request, context) -> Iterator[pb.GenerateResponse]:
-        self.requests.append(request)
-        if request.prompt == "abort":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the schema does not parse")
-        if request.prompt == "endless":
-            context.add_callback(self.cancelled.set)
-            deadline = time.monotonic() + RPC_TIMEOUT
-            while context.is_active() and time.monotonic() < deadline:
-                yield pb.GenerateResponse(token_ids=[1], text="x")
-                time.sleep(0.01)
-            return
-        yield pb.GenerateResponse(token_ids=[11, 12], text="Hel")
-        yield pb.GenerateResponse(token_ids=[13], text="lo")
-        if request.prompt == "unfinished":
-            return
-        reason = pb.FINISH_REASON_ERROR if request.prompt == "error" else pb.FINISH_REASON_STOP
-        yield pb.GenerateResponse(finish_reason=reason,
-                                  usage=pb.Usage(prompt_tokens=4, completion_tokens=3, forced_tokens=1))
-
-
-@pytest.fixture(scope="module")
-def fake():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    servicer = FakeInference()
-    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    servicer.target = f"127.0.0.1:{port}"
-    yield servicer
-    server.stop(grace=None)
 
 
 def cli_args(*argv: str) -> argparse.Namespace:
@@ -227,64 +178,69 @@ def test_inference_error_str():
     assert isinstance(error, Exception) and error.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
-# ---------------------------------------------------------------- sync client against the fake
+# ---------------------------------------------------------------- sync client against the real service
 
 
-def test_generate_streams_chunks(fake):
-    with InferenceClient(fake.target) as client:
-        chunks = list(client.generate("hello", regex="[a-z]+", seed=0, timeout=RPC_TIMEOUT))
-    assert chunks == [
-        Chunk([11, 12], "Hel", None, None),
-        Chunk([13], "lo", None, None),
-        Chunk([], "", "stop", Usage(4, 3, 1)),
-    ]
-    sent = fake.requests[-1]
-    assert sent.constraint.regex == "[a-z]+" and sent.sampling.HasField("seed")
+def _idle(server, timeout: float = 30.0) -> bool:
+    """True once the engine holds no request (KV and grammar state freed)."""
+    deadline = time.monotonic() + timeout
+    while server.run_sync(lambda: server.server.engine.num_active):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
-def test_complete_collects(fake):
-    with InferenceClient(fake.target) as client:
-        assert client.complete("hello", timeout=RPC_TIMEOUT) == Completion("Hello", [11, 12, 13], "stop",
-                                                                           Usage(4, 3, 1))
-        assert client.complete("error", timeout=RPC_TIMEOUT).finish_reason == "error"
-        with pytest.raises(InferenceError, match="without a finish reason"):
-            client.complete("unfinished", timeout=RPC_TIMEOUT)
+def test_generate_streams_chunks(inference_client):
+    chunks = list(inference_client.generate("hello", regex="[a-z]{5}", seed=0, temperature=1.0, timeout=RPC_TIMEOUT))
+    *body, last = chunks
+    assert all(c.finish_reason is None and c.usage is None for c in body)
+    assert last.finish_reason == "stop"
+    ids = [t for c in chunks for t in c.token_ids]
+    assert last.usage == Usage(last.usage.prompt_tokens, len(ids), last.usage.forced_tokens)
+    text = "".join(c.text for c in chunks)
+    assert len(text) == 5 and text.isalpha()
 
 
-def test_status_becomes_inference_error(fake):
-    with InferenceClient(fake.target) as client:
-        with pytest.raises(InferenceError) as info:
-            client.complete("abort", timeout=RPC_TIMEOUT)
+def test_complete_collects(inference_client):
+    chunks = list(inference_client.generate("hello", choice=["Hello", "Bye"], timeout=RPC_TIMEOUT))
+    done = inference_client.complete("hello", choice=["Hello", "Bye"], timeout=RPC_TIMEOUT)
+    assert done == Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                              chunks[-1].finish_reason, chunks[-1].usage)
+    assert done.text in ("Hello", "Bye")
+
+
+def test_status_becomes_inference_error(inference_client):
+    with pytest.raises(InferenceError) as info:
+        inference_client.complete("hello", regex="[a-", timeout=RPC_TIMEOUT)
     assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
-    assert str(info.value) == "INVALID_ARGUMENT: the schema does not parse"
+    assert str(info.value).startswith("INVALID_ARGUMENT: constraint:")
 
 
-def test_invalid_arguments_fail_before_the_rpc(fake):
-    before = len(fake.requests)
-    with InferenceClient(fake.target) as client:
-        with pytest.raises(ValueError):
-            client.generate("hello", regex="a", ebnf="b")
-    assert len(fake.requests) == before
+def test_invalid_arguments_fail_before_the_rpc(inference_client, inference_server):
+    requests = inference_server.server.metrics.registry.get_sample_value
+    before = requests("inference_svc_prompt_tokens_total")
+    with pytest.raises(ValueError):
+        inference_client.generate("hello", regex="a", ebnf="b")
+    assert requests("inference_svc_prompt_tokens_total") == before
 
 
-def test_breaking_out_cancels_the_rpc(fake):
-    fake.cancelled.clear()
-    with InferenceClient(fake.target) as client:
-        for chunk in client.generate("endless", timeout=RPC_TIMEOUT):
-            break
-        # The channel is still open: only leaving the loop can have cancelled the RPC.
-        assert fake.cancelled.wait(RPC_TIMEOUT)
+def test_breaking_out_cancels_the_rpc(inference_client, inference_server):
+    for chunk in inference_client.generate("endless", max_tokens=500, ignore_eos=True, timeout=60):
+        break
+    # The channel is still open: only leaving the loop can have cancelled the RPC.
+    assert _idle(inference_server)
 
 
-def test_unavailable(fake):
+def test_unavailable():
     with InferenceClient(f"127.0.0.1:{closed_port()}") as client:
         with pytest.raises(InferenceError) as info:
             client.complete("hello", timeout=RPC_TIMEOUT)
     assert info.value.code is grpc.StatusCode.UNAVAILABLE
 
 
-def test_wait_ready(fake):
-    with InferenceClient(fake.target) as client:
+def test_wait_ready(inference_server):
+    with InferenceClient(inference_server.target) as client:
         client.wait_ready(RPC_TIMEOUT)
     with InferenceClient(f"127.0.0.1:{closed_port()}") as client:
         start = time.monotonic()
@@ -293,28 +249,28 @@ def test_wait_ready(fake):
         assert time.monotonic() - start < 5.0
 
 
-# ---------------------------------------------------------------- async client against the fake
+# ---------------------------------------------------------------- async client against the real service
 
 
-def test_async_client(fake):
+def test_async_client(inference_server):
     async def go():
-        async with AsyncInferenceClient(fake.target) as client:
+        async with AsyncInferenceClient(inference_server.target) as client:
             await client.wait_ready(RPC_TIMEOUT)
             chunks = [c async for c in client.generate("hello", choice=["Hello"], timeout=RPC_TIMEOUT)]
-            assert [c.text for c in chunks] == ["Hel", "lo", ""]
-            assert await client.complete("hello", timeout=RPC_TIMEOUT) == Completion(
-                "Hello", [11, 12, 13], "stop", Usage(4, 3, 1))
+            assert "".join(c.text for c in chunks) == "Hello" and chunks[-1].finish_reason == "stop"
+            done = await client.complete("hello", choice=["Hello"], timeout=RPC_TIMEOUT)
+            assert (done.text, done.finish_reason) == ("Hello", "stop")
             with pytest.raises(InferenceError) as info:
-                await client.complete("abort", timeout=RPC_TIMEOUT)
-            assert str(info.value) == "INVALID_ARGUMENT: the schema does not parse"
+                await client.complete("hello", regex="[a-", timeout=RPC_TIMEOUT)
+            assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
             with pytest.raises(ValueError):
                 client.generate("hello", json_object=True, regex="a")
 
-            fake.cancelled.clear()
-            async with contextlib.aclosing(client.generate("endless", timeout=RPC_TIMEOUT)) as stream:
+            async with contextlib.aclosing(client.generate("endless", max_tokens=500, ignore_eos=True,
+                                                           timeout=60)) as stream:
                 async for chunk in stream:
                     break
-            assert await asyncio.to_thread(fake.cancelled.wait, RPC_TIMEOUT)
+            assert await asyncio.to_thread(_idle, inference_server)
 
         async with AsyncInferenceClient(f"127.0.0.1:{closed_port()}") as client:
             with pytest.raises(InferenceError) as info:
@@ -329,55 +285,51 @@ def test_async_client(fake):
 # ---------------------------------------------------------------- structd generate
 
 
-def test_cli_streams_text(fake, capsys):
-    code = generate_cli.run(cli_args("--target", fake.target, "--choice", "Hello", "--choice", "Bye",
-                                     "--seed", "0", "--stop", "END", "--stop", "\n", "--no-jump-forward",
-                                     "--timeout-seconds", str(RPC_TIMEOUT), "hello"))
+def test_cli_streams_text(inference_server, capsys):
+    code = generate_cli.run(cli_args("--target", inference_server.target, "--choice", "Hello", "--choice", "Bye",
+                                     "--seed", "0", "--temperature", "1", "--stop", "END", "--stop", "\n",
+                                     "--no-jump-forward", "--timeout-seconds", str(RPC_TIMEOUT), "hello"))
     out, err = capsys.readouterr()
-    assert (code, out, err) == (0, "Hello", "")
-    sent = fake.requests[-1]
-    assert list(sent.constraint.choice.choices) == ["Hello", "Bye"] and sent.constraint.disable_jump_forward
-    assert sent.sampling.HasField("seed") and list(sent.sampling.stop) == ["END", "\n"]
+    assert (code, err) == (0, "") and out in ("Hello", "Bye")
 
 
-def test_cli_json(fake, capsys, tmp_path):
+def test_cli_json(inference_server, capsys, tmp_path):
     schema = tmp_path / "schema.json"
-    schema.write_text('{"type": "string"}')
-    code = generate_cli.run(cli_args("--target", fake.target, "--json-schema", str(schema), "--json",
-                                     "--max-tokens", "5", "--temperature", "0.7", "--top-p", "0.9",
-                                     "--top-k", "3", "--ignore-eos", "--timeout-seconds", str(RPC_TIMEOUT),
-                                     "hello"))
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, '
+                      '"required": ["n"]}')
+    code = generate_cli.run(cli_args("--target", inference_server.target, "--json-schema", str(schema), "--json",
+                                     "--max-tokens", "20", "--temperature", "0.7", "--top-p", "0.9",
+                                     "--top-k", "3", "--timeout-seconds", str(RPC_TIMEOUT), "hello"))
     out, err = capsys.readouterr()
     assert code == 0 and err == ""
     assert out.count("\n") == 1
-    assert json.loads(out) == {"text": "Hello", "finish_reason": "stop",
-                               "usage": {"prompt_tokens": 4, "completion_tokens": 3, "forced_tokens": 1}}
-    sent = fake.requests[-1]
-    assert sent.constraint.json_schema == '{"type": "string"}' and not sent.sampling.HasField("seed")
-    assert (sent.sampling.max_tokens, sent.sampling.top_k, sent.sampling.ignore_eos) == (5, 3, True)
-    assert sent.sampling.temperature == pytest.approx(0.7) and sent.sampling.top_p == pytest.approx(0.9)
+    line = json.loads(out)
+    assert set(line) == {"text", "finish_reason", "usage"} and line["finish_reason"] == "stop"
+    assert 0 <= json.loads(line["text"])["n"] <= 9
+    assert set(line["usage"]) == {"prompt_tokens", "completion_tokens", "forced_tokens"}
+    assert line["usage"]["completion_tokens"] >= line["usage"]["forced_tokens"] > 0
 
 
-def test_cli_reads_file_from_stdin(fake, capsys, monkeypatch):
+def test_cli_length_finish(inference_server, capsys):
+    code = generate_cli.run(cli_args("--target", inference_server.target, "--json", "--max-tokens", "3",
+                                     "--ignore-eos", "hi"))
+    line = json.loads(capsys.readouterr().out)
+    assert code == 0 and line["finish_reason"] == "length" and line["usage"]["completion_tokens"] == 3
+
+
+def test_cli_reads_file_from_stdin(inference_server, capsys, monkeypatch):
     import io
 
     monkeypatch.setattr(sys, "stdin", io.StringIO('root ::= "Hello"'))
-    code = generate_cli.run(cli_args("--target", fake.target, "--ebnf", "-", "--json", "hello"))
+    code = generate_cli.run(cli_args("--target", inference_server.target, "--ebnf", "-", "--json", "hello"))
     assert code == 0 and json.loads(capsys.readouterr().out)["text"] == "Hello"
-    assert fake.requests[-1].constraint.ebnf == 'root ::= "Hello"'
 
 
-def test_cli_rpc_error(fake, capsys):
-    code = generate_cli.run(cli_args("--target", fake.target, "--json-object", "abort"))
+def test_cli_rpc_error(inference_server, capsys):
+    code = generate_cli.run(cli_args("--target", inference_server.target, "--regex", "[a-", "hello"))
     out, err = capsys.readouterr()
-    assert (code, out, err) == (1, "", "error: INVALID_ARGUMENT: the schema does not parse\n")
-
-
-@pytest.mark.parametrize("prompt", ["error", "unfinished"])
-def test_cli_generation_ended_early(fake, capsys, prompt):
-    code = generate_cli.run(cli_args("--target", fake.target, prompt))
-    out, err = capsys.readouterr()
-    assert code == 1 and out == "Hello" and err.startswith("error: generation ended early")
+    assert code == 1 and out == ""
+    assert err.startswith("error: INVALID_ARGUMENT: constraint:") and "Traceback" not in err
 
 
 def test_cli_unavailable(capsys):
@@ -427,10 +379,10 @@ def test_cli_choice_repeats_and_defaults():
     assert args.seed is None and args.stop is None and args.timeout_seconds is None
 
 
-def test_cli_ctrl_c_subprocess(fake):
-    fake.cancelled.clear()
-    proc = subprocess.Popen([PYTHON, "-m", "shared.generate_cli", "--target", fake.target,
-                             "--timeout-seconds", str(RPC_TIMEOUT), "endless"],
+def test_cli_ctrl_c_subprocess(inference_server):
+    proc = subprocess.Popen([PYTHON, "-m", "shared.generate_cli", "--target", inference_server.target,
+                             "--max-tokens", "2000", "--ignore-eos", "--temperature", "1",
+                             "--regex", "x[a-z]{1,3000}", "endless"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.read(1) == "x"  # streaming has started
@@ -440,4 +392,4 @@ def test_cli_ctrl_c_subprocess(fake):
         proc.kill()
     assert proc.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert fake.cancelled.wait(RPC_TIMEOUT)
+    assert _idle(inference_server)
