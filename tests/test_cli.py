@@ -1,7 +1,7 @@
 """The `structd` command line as real subprocesses.
 
 `structd grammar` (start-up to SERVING, the preload file, SIGTERM drain, bad
-flags), `structd up` with two replicas, and `python -m shared.protogen --check`.
+flags), `structd up` with two grammar replicas and the inference service, and `python -m shared.protogen --check`.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def free_ports(n: int = 1) -> int:
 
 
 def clean_env() -> dict[str, str]:
-    """The environment without STRUCTD_GRAMMAR_* overrides from the caller."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("STRUCTD_GRAMMAR_")}
+    """The environment without STRUCTD_GRAMMAR_* / STRUCTD_INFERENCE_* overrides from the caller."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("STRUCTD_GRAMMAR_", "STRUCTD_INFERENCE_"))}
 
 
 class Proc:
@@ -283,27 +283,40 @@ def test_grammar_sigterm_drains_and_exits_zero(grammar_proc):
 # ---------------------------------------------------------------- structd up
 
 
-def test_up_two_replicas_serve_and_stop_on_sigint():
+def test_up_serves_both_tiers_and_stops_on_sigint():
+    """`make run` is `structd up`: two grammar replicas and the inference service, reachable with
+    `structd generate`, all stopped by one SIGINT."""
     port, mport = free_ports(2), free_ports(2)
+    iport, imetrics = free_ports(), free_ports()
     proc = Proc([PYTHON, "-m", "shared.cli", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
-                 "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--log-level", "WARNING"])
+                 "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
+                 "--metrics-port", str(imetrics), "--log-level", "WARNING"])
     try:
         proc.wait_for_line("all services SERVING")
         out = proc.output
         for i in range(2):
             assert (f"grammar replica {i + 1}: grpc 127.0.0.1:{port + i}  "
                     f"metrics http://127.0.0.1:{mport + i}/metrics") in out, out
-        # Both addresses it printed really serve.
+        assert f"inference service: grpc 127.0.0.1:{iport}  metrics http://127.0.0.1:{imetrics}/metrics" in out, out
+        # Every address it printed really serves.
         for i in range(2):
             assert health(f"127.0.0.1:{port + i}", "grammar.v1.GrammarService") == serving()
-            with urllib.request.urlopen(f"http://127.0.0.1:{mport + i}/metrics", timeout=30) as r:
+        assert health(f"127.0.0.1:{iport}", "inference.v1.InferenceService") == serving()
+        for mp in (mport, mport + 1, imetrics):
+            with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=30) as r:
                 assert r.status == 200
-        replicas = children_of(proc.popen.pid)
-        assert len(replicas) == 2
+        gen = subprocess.run([PYTHON, "-m", "shared.cli", "generate", "--target", f"127.0.0.1:{iport}", "--json",
+                              "--choice", "yes", "--choice", "no", "Well?"],
+                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        line = json.loads(gen.stdout)
+        assert line["text"] in ("yes", "no") and line["finish_reason"] == "stop"
+        services = children_of(proc.popen.pid)
+        assert len(services) == 3
         proc.popen.send_signal(signal.SIGINT)
         assert proc.wait() == 0, proc.output
         assert "stopped" in proc.lines
-        assert not [p for p in replicas if running(p)]
+        assert not [p for p in services if running(p)]
     finally:
         proc.kill()
 
