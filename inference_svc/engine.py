@@ -30,10 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from inference_svc.config import EngineConfig
 from inference_svc.grammar_tier import GrammarRow, GrammarTier
+from inference_svc.masking import apply_masks
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model_runner import ModelRunner
 from inference_svc.request import FinishReason, GenerationRequest, Output, Phase
@@ -41,7 +41,7 @@ from inference_svc.sampling import RowSampler, SamplingOptions, sample
 from inference_svc.scheduler import ScheduledStep, Scheduler
 from inference_svc.text_stream import TextStream
 from shared import errors
-from shared.codec import words_for_vocab
+from shared.codec import SparseMask, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class Engine:
             self._bitmask_dev = self._bitmask_host
         self._bitmask_np = self._bitmask_host.numpy()
         self._eos = torch.tensor(sorted(tokenizer.eos_ids), dtype=torch.long, device=runner.device)
+        self.tok_vocab_size = len(tokenizer.token_bytes)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -250,21 +251,21 @@ class Engine:
 
         # Which rows get sampled, and with which mask.
         to_sample: list[int] = []
-        masked: list[int] = []
+        masked: list[tuple[int, SparseMask | None]] = []
         ban_eos: list[int] = []
         forced: dict[int, list[int]] = {}
-        by_row = {g.row: r for g, r in zip(rows, results.results)} if rows else {}
+        by_row = {g.row: (r, f) for g, r, f in zip(rows, results.results, results.sparse)} if rows else {}
         for i, req in enumerate(sampled):
             if req.phase is Phase.FINISHED:
                 continue
             if req.constrained:
-                result = by_row[i]
+                result, form = by_row[i]
                 if not self._take_grammar_result(req, result):
                     continue
                 if result.jump_forward.forced_token_ids:
                     forced[i] = list(result.jump_forward.forced_token_ids)
                     continue
-                masked.append(i)
+                masked.append((i, form))
             elif req.options.ignore_eos:
                 ban_eos.append(i)
             to_sample.append(i)
@@ -308,13 +309,10 @@ class Engine:
         return False
 
     @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
-    def _mask_and_sample(self, logits: torch.Tensor, masked: list[int], ban_eos: list[int],
-                         rows: list[int], samplers: list[RowSampler]) -> list[int]:
+    def _mask_and_sample(self, logits: torch.Tensor, masked: list[tuple[int, SparseMask | None]],
+                         ban_eos: list[int], rows: list[int], samplers: list[RowSampler]) -> list[int]:
         if masked:
-            n = logits.shape[0]
-            if self._bitmask_dev is not self._bitmask_host:
-                self._bitmask_dev[:n].copy_(self._bitmask_host[:n], non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, self._bitmask_dev[:n], indices=masked)
+            apply_masks(logits, masked, self._bitmask_host, self._bitmask_dev, self.tok_vocab_size)
         if ban_eos:
             idx = torch.tensor(ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")

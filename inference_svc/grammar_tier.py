@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from shared import errors
+from shared.codec import SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.grammar_client import GrammarClient, StepStream, decode_masks
 from shared.tokenizer import TokenizerDescription
@@ -72,6 +73,8 @@ class StepResults:
     """Per row, in send order: a SessionResult, or the exception that lost it."""
 
     results: list[gpb.SessionResult | BaseException]
+    # Per row: the mask as the id list it arrived as (None: dense, or no mask).
+    sparse: list[SparseMask | None]
     lost_replicas: set[int]
     rpc_seconds: float
 
@@ -91,6 +94,7 @@ class PendingStep:
 
     async def receive(self, bitmask: np.ndarray) -> StepResults:
         out: list[gpb.SessionResult | BaseException | None] = [None] * len(self._rows)
+        sparse: list[SparseMask | None] = [None] * len(self._rows)
         lost = set(self._failed)
         for replica, exc in self._failed.items():
             for i in self._parts[replica]:
@@ -114,10 +118,12 @@ class PendingStep:
                     out[i] = exc
                 continue
             stream = self._tier._replicas[replica].stream
-            decode_masks(answer, stream.decoder, bitmask, [max(self._rows[i].row, 0) for i in indices])
-            for i, result in zip(indices, answer.results):
+            forms: list[SparseMask | None] = []
+            decode_masks(answer, stream.decoder, bitmask, [max(self._rows[i].row, 0) for i in indices], forms)
+            for i, result, form in zip(indices, answer.results, forms):
                 out[i] = result
-        return StepResults(out, lost, rpc_seconds)
+                sparse[i] = form
+        return StepResults(out, sparse, lost, rpc_seconds)
 
 
 class GrammarTier:

@@ -209,6 +209,19 @@ def assign_wire_forms(rows: list[tuple[int, bytes, EncodedMask | None, MaskEncod
     return out
 
 
+@dataclass(frozen=True)
+class SparseMask:
+    """A mask as the id list it came as: only `ids` allowed (allow=True), or all but `ids`.
+
+    Where logits live on the CPU, writing -inf at a few thousand ids is far
+    cheaper than expanding 129k bits per row, so the decoder also hands out
+    this form for every mask that arrived (or was cached, or referenced) as a list.
+    """
+
+    allow: bool
+    ids: np.ndarray  # sorted int64 token ids, all below the tokenizer's vocab size
+
+
 class MaskDecoder:
     """Decodes wire masks straight into rows of a preallocated int32 bitmask.
 
@@ -222,16 +235,20 @@ class MaskDecoder:
         self._valid = MaskEncoder(vocab_size).valid
         self.cache_slots = cache_slots
         self._cache = np.zeros((cache_slots, self.num_words), dtype=np.uint32) if cache_slots else None
+        self._sparse: list[SparseMask | None] = [None] * cache_slots
 
     def decode_into(self, field: str, value, out_row: np.ndarray, rows_so_far: list[np.ndarray | None],
-                    store_slot: int | None = None) -> None:
-        """Writes one mask into out_row (int32, at least num_words long).
+                    store_slot: int | None = None,
+                    sparse_so_far: list[SparseMask | None] | None = None) -> SparseMask | None:
+        """Writes one mask into out_row (int32, at least num_words long); returns its SparseMask, if any.
 
         rows_so_far holds the rows already decoded from the same message, in
         result order (None for results without a mask), for same_as
-        references. Words past num_words (a model vocabulary larger than the
+        references; sparse_so_far, when given, the SparseMasks returned for
+        them. Words past num_words (a model vocabulary larger than the
         tokenizer's) are cleared: disallowed.
         """
+        sparse = None
         row = out_row.view(np.uint32)
         if row.shape[0] > self.num_words:
             row[self.num_words:] = 0
@@ -242,24 +259,31 @@ class MaskDecoder:
             np.bitwise_and(np.frombuffer(value, dtype=np.uint32), self._valid, out=row)
         elif field == ALLOWED:
             row[:] = 0
-            self._set_bits(row, decode_ids(value, self.vocab_size), 1)
+            sparse = SparseMask(True, decode_ids(value, self.vocab_size))
+            self._set_bits(row, sparse.ids, 1)
         elif field == DISALLOWED:
             row[:] = self._valid
-            self._set_bits(row, decode_ids(value, self.vocab_size), 0)
+            sparse = SparseMask(False, decode_ids(value, self.vocab_size))
+            self._set_bits(row, sparse.ids, 0)
         elif field == SAME_AS:
             if not 0 <= value < len(rows_so_far) or rows_so_far[value] is None:
                 raise MaskDecodeError(f"same_as_index {value} does not name an earlier mask")
             row[:] = rows_so_far[value].view(np.uint32)[: self.num_words]
+            if sparse_so_far is not None and value < len(sparse_so_far):
+                sparse = sparse_so_far[value]
         elif field == CACHED:
             if not 0 <= value < self.cache_slots:
                 raise MaskDecodeError(f"cached_slot {value} is outside this stream's {self.cache_slots} slots")
             row[:] = self._cache[value]
+            sparse = self._sparse[value]
         else:
             raise MaskDecodeError(f"mask has no encoding set ({field!r})")
         if store_slot is not None:
             if not 0 <= store_slot < self.cache_slots:
                 raise MaskDecodeError(f"store_slot {store_slot} is outside this stream's {self.cache_slots} slots")
             self._cache[store_slot] = row
+            self._sparse[store_slot] = sparse
+        return sparse
 
     @staticmethod
     def _set_bits(row: np.ndarray, ids: np.ndarray, value: int) -> None:

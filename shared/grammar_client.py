@@ -7,7 +7,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
-from shared.codec import MaskDecoder
+from shared.codec import MaskDecoder, SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
 from shared.grpc_options import CHANNEL_OPTIONS
@@ -91,19 +91,22 @@ class GrammarClient:
 
 
 def decode_masks(resp: pb.StepResponse, decoder: MaskDecoder, bitmask: np.ndarray,
-                 rows: Sequence[int] | None = None) -> list[int]:
+                 rows: Sequence[int] | None = None, sparse: list[SparseMask | None] | None = None) -> list[int]:
     """Decodes every mask of a step response into bitmask rows (rows[i] for result i;
-    default i). Returns the indices of the results that carried a mask."""
+    default i). Returns the indices of the results that carried a mask. With a
+    `sparse` list, appends each result's SparseMask (None: dense or no mask)."""
     decoded: list[np.ndarray | None] = []
+    forms: list[SparseMask | None] = [] if sparse is None else sparse
     with_mask = []
     for i, r in enumerate(resp.results):
         field = r.mask.WhichOneof("encoding")
         if field is None:
             decoded.append(None)
+            forms.append(None)
             continue
         row = bitmask[rows[i] if rows is not None else i]
         store = r.mask.store_slot if r.mask.HasField("store_slot") else None
-        decoder.decode_into(field, getattr(r.mask, field), row, decoded, store)
+        forms.append(decoder.decode_into(field, getattr(r.mask, field), row, decoded, store, forms))
         decoded.append(row)
         with_mask.append(i)
     return with_mask

@@ -379,6 +379,29 @@ def test_stream_mask_cache_round_trip(case):
 
 @SETTINGS
 @given(streams())
+def test_sparse_forms_describe_the_decoded_rows(case):
+    """Every SparseMask the decoder hands out (direct, same_as or cached) allows exactly the row's tokens."""
+    vocab, slots, messages = case
+    enc, cache, dec = MaskEncoder(vocab), StreamMaskCache(slots), MaskDecoder(vocab, slots)
+    for rows in messages:
+        wire = _server_side(enc, cache, rows)
+        out = np.zeros_like(rows)
+        done: list[np.ndarray | None] = []
+        forms: list = []
+        for i, w in enumerate(wire):
+            forms.append(dec.decode_into(w.field, w.value, out[i], done, w.store_slot, forms))
+            done.append(out[i])
+        for row, w, form in zip(rows, wire, forms):
+            allowed = allowed_ids(row, vocab)
+            if form is None:
+                assert w.field in (DENSE, SAME_AS, CACHED)
+                continue
+            expected = allowed if form.allow else np.setdiff1d(np.arange(vocab), allowed)
+            np.testing.assert_array_equal(form.ids, expected)
+
+
+@SETTINGS
+@given(streams())
 def test_stream_mask_cache_with_room_resends_nothing_large(case):
     """With a slot for every distinct mask, a large mask crosses the wire once per stream."""
     vocab, _, messages = case
