@@ -48,6 +48,13 @@ def _cmd_bench_grammar(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from inference_svc.bench_e2e import run_bench
+
+    _setup_logging(args.log_level)
+    return run_bench(args)
+
+
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     from grammar_svc import config as gconfig
     from inference_svc import config as iconfig
@@ -96,6 +103,12 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_cmd_bench_grammar)
+    p = bsub.add_parser("e2e", help="end to end: constrained vs unconstrained TPOT, mask wait, throughput vs peers")
+    from inference_svc.bench_e2e import add_arguments as add_e2e_arguments
+
+    add_e2e_arguments(p)
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_cmd_bench_e2e)
     return parser
 
 

