@@ -184,8 +184,8 @@ def phase_line(p: dict) -> str:
             f"TTFT p50 {_fmt_ms(_g(p, 'ttft_seconds', 'p50'))} ms, TPOT mean {_fmt_ms(_g(p, 'tpot_seconds', 'mean'))}"
             f" ms p50 {_fmt_ms(_g(p, 'tpot_seconds', 'p50'))} ms")
     if s:
-        line += (f"; mask wait {_fmt_pct(s.get('mask_wait_share'))} of forward, grammar RPC p50 "
-                 f"{_fmt_ms(s.get('grammar_rpc_p50_seconds'))} ms, forward {_fmt_ms(s.get('forward_mean_seconds'))} ms,"
+        line += (f"; mask wait {_fmt_pct(s.get('mask_wait_share'))} of forward, grammar step (server) "
+                 f"{_fmt_ms(_g(p, 'grammar_server', 'step_mean_seconds'))} ms, forward {_fmt_ms(s.get('forward_mean_seconds'))} ms,"
                  f" overhead/step {_fmt_ms(s.get('overhead_per_step_seconds'))} ms, forced {_fmt_pct(p['forced_share'])}")
     if p["errors"]:
         line += f"; {p['errors']} errors: {p['error_examples']}"
@@ -300,19 +300,20 @@ def machine(torch_threads: int) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"## {result.get('title', 'structd bench e2e')}", ""]
     lines.append("| runner | N | workload | requests | tokens/req | TTFT p50 ms | TPOT mean ms | TPOT p50 ms | tokens/s "
-                 "| mask-wait share | grammar RPC p50 ms | forward ms | overhead/step ms | mean batch | forced |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| mask-wait share | mask wait p50 ms | grammar step ms | forward ms | overhead/step ms | mean batch | forced |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     peer_phases = [p for peer in result["peers"].values() if isinstance(peer, dict) for p in peer.get("phases", [])]
     for p in result["phases"] + peer_phases:
         s = p.get("server", {})
         kind = p["kind"] + ("" if p["jump_forward"] or p["runner"] in ("transformers", "vllm") else ", no JF")
         err = f" ({p['errors']} errors)" if p["errors"] else ""
         if s:
-            server_cols = (f"{_fmt_pct(s.get('mask_wait_share'))} | {_fmt_ms(s.get('grammar_rpc_p50_seconds'))} | "
+            server_cols = (f"{_fmt_pct(s.get('mask_wait_share'))} | {_fmt_ms(s.get('mask_wait_p50_seconds'))} | "
+                           f"{_fmt_ms(_g(p, 'grammar_server', 'step_mean_seconds'))} | "
                            f"{_fmt_ms(s.get('forward_mean_seconds'))} | {_fmt_ms(s.get('overhead_per_step_seconds'))}"
                            f" | {s.get('mean_batch') or 0:.1f} | {_fmt_pct(p['forced_share'])}")
         else:
-            server_cols = "– | – | – | – | – | –"
+            server_cols = "– | – | – | – | – | – | –"
         lines.append(
             f"| {p['runner_label']} | {p['concurrency']} | {kind} | {p['requests']}{err} | "
             f"{_g(p, 'tokens_per_request', 'mean', default=0):.1f} | {_fmt_ms(_g(p, 'ttft_seconds', 'p50'))} | "
@@ -371,6 +372,10 @@ def plot(result: dict, path: Path) -> None:
                 ax.plot(*zip(*pts), ls, marker=mk, color=colors[rn], label=f"{labels[rn]} {kind}")
     ax.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="mean TPOT (ms)",
            title="Time per output token: constrained (solid) vs unconstrained (dashed)")
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
     _xticks(ax, result)
     _legend(ax)
 
@@ -386,7 +391,9 @@ def plot(result: dict, path: Path) -> None:
             ax.plot(*zip(*nojf), "x", ms=10, color=colors[rn], label=f"{labels[rn]} without jump-forward")
     ref = result["peers"].get("vllm", {}).get("reference_tpot_ratio_from_issue")
     if ref and "vllm" not in peers:
-        ax.plot([int(k) for k in ref], list(ref.values()), "k^:", label="vLLM CPU (reported in the issue)")
+        pts = [(int(k), v) for k, v in ref.items() if int(k) in result["arguments"]["concurrency"]]
+        if pts:
+            ax.plot(*zip(*pts), "k^:", label="vLLM CPU (reported in the issue)")
     ax.axhline(1.05, color="grey", lw=0.8, ls=":")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="mean TPOT constrained / unconstrained",
@@ -402,6 +409,7 @@ def plot(result: dict, path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), "o-", color=colors[rn], label=labels[rn])
     ax.axhline(3.0, color="grey", lw=0.8, ls=":")
+    ax.set_ylim(bottom=0)
     ax.set(xscale="log", xlabel="concurrent requests", ylabel="% of forward time",
            title="Mask wait (constrained workload; target <= 3% at 32 on simulated 5 ms)")
     _xticks(ax, result)
