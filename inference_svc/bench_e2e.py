@@ -85,10 +85,13 @@ def add_arguments(parser) -> None:
                         help="model (the embedded model) and/or sim<ms> (simulated runner), comma-separated")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
-    parser.add_argument("--requests", type=int, default=16,
+    parser.add_argument("--requests", type=int, default=24,
                         help="at least this many requests per phase (see --waves)")
-    parser.add_argument("--waves", type=int, default=2,
+    parser.add_argument("--waves", type=int, default=4,
                         help="and at least waves x N requests per phase at concurrency N")
+    parser.add_argument("--unmatched-lengths", action="store_true",
+                        help="unconstrained requests all get --max-tokens (default: each gets the length its "
+                             "constrained twin, same prompt and position, generated at the same N)")
     parser.add_argument("--no-jump-forward-phase", action="store_true",
                         help="skip the constrained phase without jump-forward at the highest concurrency")
     parser.add_argument("--no-mixed", action="store_true", help="skip the mixed phase at the highest concurrency")
@@ -135,6 +138,9 @@ class ServiceThread:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
+
+    def cpu_seconds(self) -> float | None:
+        return None  # shares this process with the client
 
     def metrics_text(self) -> str:
         from prometheus_client import generate_latest
@@ -188,6 +194,16 @@ class ChildService:
                 raise SystemExit(f"{args[0]} service did not start within {timeout:g} s; see {log_path}")
             time.sleep(0.05)
         self.target = found[0]
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the service process so far (its compile workers not included)."""
+        import os
+
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return None
 
     def metrics_text(self) -> str:
         import urllib.request
@@ -248,7 +264,13 @@ def start_inference(args, runner: RunnerSpec, grammar_target: str, max_n: int, o
 # --- one phase -----------------------------------------------------------------------------
 
 
-async def _one(client, w: Work, max_tokens: int, jump_forward: bool, t0: float) -> dict:
+def digest(token_ids) -> str:
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+async def _one(client, index: int, w: Work, max_tokens: int, jump_forward: bool, t0: float) -> dict:
     from shared.inference_client import InferenceError
 
     opts: dict = {"max_tokens": max_tokens}
@@ -258,20 +280,24 @@ async def _one(client, w: Work, max_tokens: int, jump_forward: bool, t0: float) 
         opts["ignore_eos"] = True
     started = time.perf_counter()
     first = None
-    rec = {"schema": w.schema_name, "constrained": w.constrained, "start": started - t0}
+    rec = {"index": index, "schema": w.schema_name, "constrained": w.constrained, "max_tokens": max_tokens,
+           "start": started - t0}
+    ids: list[int] = []
     try:
         stream = client.generate(w.prompt, timeout=600.0, **opts)
         try:
             async for chunk in stream:
                 if first is None and chunk.token_ids:
                     first = time.perf_counter()
+                ids += chunk.token_ids
                 if chunk.finish_reason is not None:
                     ended = time.perf_counter()
                     n = chunk.usage.completion_tokens if chunk.usage else 0
                     rec.update(tokens=n, forced_tokens=chunk.usage.forced_tokens if chunk.usage else 0,
                                finish_reason=chunk.finish_reason, e2e_seconds=ended - started,
                                ttft_seconds=(first or ended) - started, end=ended - t0,
-                               tpot_seconds=(ended - first) / (n - 1) if first is not None and n > 1 else None)
+                               tpot_seconds=(ended - first) / (n - 1) if first is not None and n > 1 else None,
+                               digest=digest(ids))
         finally:
             await stream.aclose()
     except InferenceError as e:
@@ -279,9 +305,9 @@ async def _one(client, w: Work, max_tokens: int, jump_forward: bool, t0: float) 
     return rec
 
 
-async def run_phase(target: str, items: list[Work], concurrency: int, max_tokens: int, jump_forward: bool,
+async def run_phase(target: str, items: list[tuple[Work, int]], concurrency: int, jump_forward: bool,
                     label: str) -> tuple[list[dict], float]:
-    """Closed loop: `concurrency` workers take the next request as soon as theirs ends."""
+    """Closed loop over (request, max_tokens): `concurrency` workers take the next one as soon as theirs ends."""
     from shared.inference_client import AsyncInferenceClient
 
     records: list[dict | None] = [None] * len(items)
@@ -294,7 +320,7 @@ async def run_phase(target: str, items: list[Work], concurrency: int, max_tokens
             while next_index < len(items):
                 i = next_index
                 next_index += 1
-                records[i] = await _one(client, items[i], max_tokens, jump_forward, t0)
+                records[i] = await _one(client, i, *items[i], jump_forward, t0)
 
         async def ticker():
             while True:
@@ -314,8 +340,8 @@ async def run_phase(target: str, items: list[Work], concurrency: int, max_tokens
 async def warm_up(target: str, max_tokens: int) -> None:
     """Compiles every schema (cached on the grammar server from then on) and runs a few steps of each kind."""
     n = len(SCHEMAS)
-    await run_phase(target, work("constrained", n), n, min(8, max_tokens), True, "warm-up")
-    await run_phase(target, work("unconstrained", n), n, min(8, max_tokens), True, "warm-up")
+    for kind in ("constrained", "unconstrained"):
+        await run_phase(target, [(w, min(8, max_tokens)) for w in work(kind, n)], n, True, "warm-up")
 
 
 def phase_plan(args, runner: RunnerSpec) -> list[tuple[str, int, bool]]:
@@ -329,6 +355,17 @@ def phase_plan(args, runner: RunnerSpec) -> list[tuple[str, int, bool]]:
     if not args.no_mixed and (runner.simulate_step_ms or args.mixed_on_model):
         plan.append(("mixed", top, True))
     return plan
+
+
+def phase_requests(args, kind: str, n: int, constrained_lengths: list[int] | None) -> list[tuple[Work, int]]:
+    """(request, max_tokens) for one phase. Every phase at the same N sends the same prompts in the same
+    order; unconstrained request j gets the length constrained request j generated (unless
+    --unmatched-lengths), so both kinds turn requests over at the same rate."""
+    count = max(args.requests, args.waves * n)
+    items = work(kind, count, offset=args.concurrency.index(n))
+    if kind == "unconstrained" and constrained_lengths and not args.unmatched_lengths:
+        return [(w, max(2, t) if t else args.max_tokens) for w, t in zip(items, constrained_lengths)]
+    return [(w, args.max_tokens) for w in items]
 
 
 def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
@@ -347,17 +384,24 @@ def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
         asyncio.run(warm_up(server.target, args.max_tokens))
         progress(f"[{runner.name}] warm-up done in {time.perf_counter() - t:.1f} s")
         plan = phase_plan(args, runner)
+        lengths: dict[int, list[int]] = {}  # N -> tokens of each constrained request (jump-forward on)
         for k, (kind, n, jf) in enumerate(plan):
-            count = max(args.requests, args.waves * n)
+            items = phase_requests(args, kind, n, lengths.get(n))
             label = f"[{runner.name}] {k + 1}/{len(plan)} {kind} N={n}{'' if jf else ' no-jump-forward'}"
-            progress(f"{label}: {count} requests, max_tokens {args.max_tokens}")
+            progress(f"{label}: {len(items)} requests, max_tokens "
+                     + (f"{args.max_tokens}" if len({m for _, m in items}) == 1
+                        else f"matched to the constrained ones ({sum(m for _, m in items)} in all)"))
             before = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
-            records, wall = asyncio.run(run_phase(server.target, work(kind, count, offset=k), n, args.max_tokens,
-                                                  jf, label))
+            cpu_before = (server.cpu_seconds(), grammar.cpu_seconds(), time.process_time())
+            records, wall = asyncio.run(run_phase(server.target, items, n, jf, label))
+            cpu_after = (server.cpu_seconds(), grammar.cpu_seconds(), time.process_time())
             after = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
             p = report.phase_aggregates(records, wall, before, after)
             p.update(runner=runner.name, runner_label=runner.label, kind=kind, concurrency=n, jump_forward=jf,
-                     max_tokens=args.max_tokens)
+                     max_tokens=args.max_tokens, records=records,
+                     cpu=report.cpu_usage(cpu_before, cpu_after, wall, in_process=args.in_process))
+            if kind == "constrained" and jf:
+                lengths[n] = [r["tokens"] for r in records]
             phases.append(p)
             progress(f"{label}: {report.phase_line(p)}")
     finally:
@@ -379,13 +423,16 @@ def run_transformers_peer(args, model_path: Path, threads: int) -> dict:
     peer.warm_up(args.max_tokens)
     phases = []
     for n in args.concurrency:
+        lengths = None
         for kind in ("constrained", "unconstrained"):
-            count = max(args.requests, args.waves * n)
-            progress(f"[transformers] {kind} N={n}: {count} requests in batches of {n}")
-            records, wall = peer.run(kind, n, count, args.max_tokens)
+            items = phase_requests(args, kind, n, lengths)
+            progress(f"[transformers] {kind} N={n}: {len(items)} requests in batches of {n}")
+            records, wall = peer.run(items, n)
+            if kind == "constrained":
+                lengths = [r["tokens"] for r in records]
             p = report.phase_aggregates(records, wall, None, None)
             p.update(runner="transformers", runner_label="transformers + xgrammar", kind=kind, concurrency=n,
-                     jump_forward=False, max_tokens=args.max_tokens)
+                     jump_forward=False, max_tokens=args.max_tokens, records=records)
             phases.append(p)
             progress(f"[transformers] {kind} N={n}: {report.phase_line(p)}")
     import transformers
@@ -401,10 +448,13 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
     phases_in = []
     for n in args.concurrency:
         for kind in ("constrained", "unconstrained"):
-            count = max(args.requests, args.waves * n)
-            phases_in.append({"kind": kind, "concurrency": n, "requests": [
-                {"prompt": w.prompt, "schema": w.schema, "schema_name": w.schema_name} for w in work(kind, count)]})
-    payload = {"max_tokens": args.max_tokens, "threads": threads, "dtype": args.dtype, "phases": phases_in}
+            items = phase_requests(args, kind, n, None)
+            phases_in.append({"kind": kind, "concurrency": n,
+                              # the script matches unconstrained lengths to the constrained phase before it
+                              "match_lengths": kind == "unconstrained" and not args.unmatched_lengths,
+                              "requests": [{"prompt": w.prompt, "schema": w.schema, "schema_name": w.schema_name,
+                                            "max_tokens": m} for w, m in items]})
+    payload = {"threads": threads, "dtype": args.dtype, "phases": phases_in}
     got = run_vllm(args.vllm_python, model_path, payload, out / "vllm-peer.log", progress)
     if got.get("status") != "ok":
         progress(f"[vllm] failed: {got}")
@@ -413,7 +463,7 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
     for ph in got["phases"]:
         p = report.phase_aggregates(ph["records"], ph["wall_seconds"], None, None)
         p.update(runner="vllm", runner_label="vLLM CPU", kind=ph["kind"], concurrency=ph["concurrency"],
-                 jump_forward=False, max_tokens=args.max_tokens)
+                 jump_forward=False, max_tokens=args.max_tokens, records=ph["records"])
         phases.append(p)
         progress(f"[vllm] {ph['kind']} N={ph['concurrency']}: {report.phase_line(p)}")
     return {"status": "ok", "vllm_version": got.get("vllm_version"), "python": args.vllm_python,

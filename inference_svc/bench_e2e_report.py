@@ -155,6 +155,24 @@ def phase_aggregates(records: list[dict], wall: float, before, after) -> dict:
     return out
 
 
+def cpu_usage(before: tuple, after: tuple, wall: float, *, in_process: bool) -> dict:
+    """CPU seconds of the inference server, the grammar server and the benchmark client over a phase,
+    and how many cores they kept busy together (the machine is shared by all three)."""
+    import os
+
+    seconds = {name: (None if a is None or b is None else a - b)
+               for name, b, a in zip(("inference", "grammar", "client"), before, after)}
+    busy = sum(v for v in seconds.values() if v is not None)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    out = {"seconds": seconds, "cores_busy": busy / wall if wall > 0 else None, "cpus": cpus}
+    if in_process:
+        out["note"] = "in-process: the client's figure includes both services"
+    return out
+
+
 def _by_schema(records: list[dict]) -> dict:
     by: dict[str, list[int]] = {}
     for r in records:
@@ -187,6 +205,10 @@ def phase_line(p: dict) -> str:
         line += (f"; mask wait {_fmt_pct(s.get('mask_wait_share'))} of forward, grammar step (server) "
                  f"{_fmt_ms(_g(p, 'grammar_server', 'step_mean_seconds'))} ms, forward {_fmt_ms(s.get('forward_mean_seconds'))} ms,"
                  f" overhead/step {_fmt_ms(s.get('overhead_per_step_seconds'))} ms, forced {_fmt_pct(p['forced_share'])}")
+    cpu = p.get("cpu", {}).get("seconds")
+    if cpu and p["wall_seconds"] > 0:
+        line += "; CPU cores busy: " + ", ".join(f"{k} {v / p['wall_seconds']:.2f}" for k, v in cpu.items()
+                                                if v is not None)
     if p["errors"]:
         line += f"; {p['errors']} errors: {p['error_examples']}"
     return line
@@ -233,6 +255,9 @@ def comparisons(phases: list[dict], peers: dict) -> list[dict]:
             row["no_jump_forward_mask_wait_share"] = _g(nojf, "server", "mask_wait_share")
         if runner == "model":
             for peer in ("transformers", "vllm"):
+                same = identical_outputs(nojf, _find(allp, peer, "constrained", n)) if nojf is not None else None
+                if same is not None:
+                    row[f"identical_outputs_no_jump_forward_vs_{peer}"] = same
                 pc = _find(allp, peer, "constrained", n)
                 pu = _find(allp, peer, "unconstrained", n)
                 if pc is not None:
@@ -243,6 +268,16 @@ def comparisons(phases: list[dict], peers: dict) -> list[dict]:
                                                                         pu["throughput_tokens_per_second"])
         out.append(row)
     return out
+
+
+def identical_outputs(a: dict | None, b: dict | None) -> dict | None:
+    """How many requests (same position in the same workload) produced the very same token ids."""
+    if a is None or b is None or "records" not in a or "records" not in b:
+        return None
+    da = {r["index"]: r.get("digest") for r in a["records"]}
+    db = {r["index"]: r.get("digest") for r in b["records"]}
+    common = [i for i in da if i in db and da[i] and db[i]]
+    return {"compared": len(common), "identical": sum(da[i] == db[i] for i in common)}
 
 
 def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: float, tpot_ratio: float,

@@ -29,6 +29,12 @@ from inference_svc.bench_e2e_workload import Work, work
 VLLM_SCRIPT = Path(__file__).resolve().parent / "bench_vllm_peer.py"
 
 
+def _digest(token_ids) -> str:
+    from inference_svc.bench_e2e import digest
+
+    return digest(token_ids)
+
+
 class _StepClock:
     """A logits processor that only records when each step's logits are ready."""
 
@@ -37,6 +43,26 @@ class _StepClock:
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
+        return scores
+
+
+class _Lengths:
+    """Unconstrained rows with per-row lengths in one batch: EOS is banned before a row's length and
+    forced at it (the row's last token), so the row ends there; the peer's form of ignore_eos + max_tokens."""
+
+    def __init__(self, lengths: list[int], eos_id: int):
+        self.lengths = lengths
+        self.eos = eos_id
+        self.step = 0
+
+    def __call__(self, input_ids, scores):
+        for i, n in enumerate(self.lengths):
+            if self.step < n - 1:
+                scores[i, self.eos] = float("-inf")
+            elif self.step == n - 1:
+                scores[i, :] = float("-inf")
+                scores[i, self.eos] = 0.0
+        self.step += 1
         return scores
 
 
@@ -69,8 +95,9 @@ class TransformersPeer:
             self.compile_seconds[w.schema_name] = time.perf_counter() - t
         return self._compiled[w.schema_name]
 
-    def generate_batch(self, batch: list[Work], max_tokens: int) -> list[dict]:
-        """One generate() over the batch; per row the same record fields as structd's requests."""
+    def generate_batch(self, batch: list[Work], lengths: list[int]) -> list[dict]:
+        """One generate() over the batch (constrained: up to lengths tokens; unconstrained: exactly);
+        per row the same record fields as structd's requests."""
         import torch
         from xgrammar.contrib.hf import LogitsProcessor
 
@@ -78,46 +105,52 @@ class TransformersPeer:
         processors = []
         if constrained:
             processors.append(LogitsProcessor([self._grammar(w) for w in batch]))
+        else:
+            processors.append(_Lengths(lengths, min(self.eos_ids)))
         clock = _StepClock()
         processors.append(clock)
         enc = self.tok([w.prompt for w in batch], return_tensors="pt", padding=True)
-        kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_id,
+        kwargs = dict(max_new_tokens=max(lengths), do_sample=False, pad_token_id=self.pad_id,
                       logits_processor=processors)
-        if not constrained:
-            kwargs["min_new_tokens"] = max_tokens  # the peer's ignore_eos
         started = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(**enc, **kwargs)
         ended = time.perf_counter()
         prompt_len = enc["input_ids"].shape[1]
         records = []
-        for w, row in zip(batch, out[:, prompt_len:].tolist()):
-            n = len(row)
-            for k, t in enumerate(row):
-                if t in self.eos_ids and constrained:
+        for w, row, m in zip(batch, out[:, prompt_len:].tolist(), lengths):
+            n = min(len(row), m)
+            for k, t in enumerate(row[:n]):
+                if t in self.eos_ids:
                     n = k + 1
                     break
             first = clock.times[0] if clock.times else ended
             last = clock.times[n - 1] if n - 1 < len(clock.times) else ended
-            records.append({"schema": w.schema_name, "tokens": n, "forced_tokens": 0,
-                            "finish_reason": "stop" if n < max_tokens else "length",
+            records.append({"schema": w.schema_name, "tokens": n, "forced_tokens": 0, "max_tokens": m,
+                            "digest": _digest(row[:n]),
+                            "finish_reason": "stop" if constrained and row[n - 1] in self.eos_ids else "length",
                             "ttft_seconds": first - started, "e2e_seconds": last - started,
                             "tpot_seconds": (last - first) / (n - 1) if n > 1 else None,
                             "start": started, "end": last})
         return records
 
-    def run(self, kind: str, concurrency: int, count: int, max_tokens: int) -> tuple[list[dict], float]:
-        """`count` requests, `concurrency` per batch; (records, wall seconds)."""
-        items = work(kind, count)
+    def run(self, items: list[tuple[Work, int]], concurrency: int) -> tuple[list[dict], float]:
+        """(request, max_tokens) pairs, `concurrency` per batch; (records, wall seconds)."""
         records: list[dict] = []
         started = time.perf_counter()
         for b in range(0, len(items), concurrency):
-            records += self.generate_batch(items[b:b + concurrency], max_tokens)
+            batch = items[b:b + concurrency]
+            recs = self.generate_batch([w for w, _ in batch], [m for _, m in batch])
+            for k, r in enumerate(recs):
+                r["index"] = b + k
+                r["start"] -= started
+                r["end"] -= started
+            records += recs
         return records, time.perf_counter() - started
 
     def warm_up(self, max_tokens: int) -> None:
         for kind in ("constrained", "unconstrained"):
-            self.generate_batch(work(kind, 8), min(8, max_tokens))
+            self.generate_batch(work(kind, 8), [min(8, max_tokens)] * 8)
 
 
 def run_vllm(python: str, model_path: Path, payload: dict, log_path: Path, progress) -> dict:

@@ -2,9 +2,11 @@
 
     <venv>/bin/python inference_svc/bench_vllm_peer.py < payload.json > result.json
 
-The payload (written by inference_svc/bench_peers.py) names the model
-directory, max_tokens, the torch thread count and the phases: each a workload
-kind, a concurrency N and its requests (prompt, JSON schema or null). Each
+The payload (written by inference_svc/bench_e2e.py) names the model
+directory, the torch thread count and the phases: each a workload kind, a
+concurrency N and its requests (prompt, JSON schema or null, max_tokens); an
+unconstrained phase with match_lengths gives request j the length constrained
+request j generated in the phase before it, as structd's side does. Each
 phase streams its requests through vLLM's async engine, N in flight at a time,
 greedy, `ignore_eos` for unconstrained requests and structured outputs (JSON
 schema) for constrained ones, and records per request the same fields as
@@ -48,6 +50,7 @@ def sampling_params(max_tokens: int, schema):
 async def one(engine, rid: str, prompt: str, params) -> dict:
     started = time.perf_counter()
     first = last = None
+    ids: list[int] = []
     tokens = 0
     finish = None
     async for out in engine.generate(prompt, params, rid):
@@ -57,22 +60,31 @@ async def one(engine, rid: str, prompt: str, params) -> dict:
             first = now
         last = now
         tokens = len(c.token_ids)
+        ids = list(c.token_ids)
         finish = c.finish_reason
     return {"tokens": tokens, "forced_tokens": 0, "finish_reason": finish or "error",
             "ttft_seconds": (first or last) - started, "e2e_seconds": last - started,
             "tpot_seconds": (last - first) / (tokens - 1) if tokens > 1 and first is not None else None,
-            "start": started, "end": last}
+            "start": started, "end": last, "digest": digest(ids)}
 
 
-async def phase(engine, p: dict, max_tokens: int, tag: str) -> dict:
+def digest(token_ids) -> str:
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+async def phase(engine, p: dict, tag: str, lengths: list[int] | None = None) -> dict:
+    """lengths: per request, the max_tokens to use instead of the request's own (length matching)."""
     queue = list(enumerate(p["requests"]))
     records: list[dict] = [None] * len(queue)
 
     async def worker():
         while queue:
             i, r = queue.pop(0)
-            rec = await one(engine, f"{tag}-{i}", r["prompt"], sampling_params(max_tokens, r["schema"]))
-            rec["schema"] = r.get("schema_name")
+            m = max(2, lengths[i]) if lengths and i < len(lengths) and lengths[i] else r["max_tokens"]
+            rec = await one(engine, f"{tag}-{i}", r["prompt"], sampling_params(m, r["schema"]))
+            rec.update(index=i, schema=r.get("schema_name"), max_tokens=m)
             records[i] = rec
 
     started = time.perf_counter()
@@ -97,12 +109,19 @@ async def main_async(payload: dict) -> dict:
     result = {"vllm_version": getattr(vllm, "__version__", "unknown"), "phases": []}
     try:
         say("warm-up")
-        warm = {"kind": "warmup", "concurrency": 8, "requests": payload["phases"][0]["requests"][:8]}
-        await phase(engine, warm, 8, "warm")
+        warm = {"kind": "warmup", "concurrency": 8,
+                "requests": [dict(r, max_tokens=8) for r in payload["phases"][0]["requests"][:8]]}
+        await phase(engine, warm, "warm")
         for n, p in enumerate(payload["phases"]):
             say(f"phase {n + 1}/{len(payload['phases'])}: {p['kind']} x{p['concurrency']}, "
                 f"{len(p['requests'])} requests")
-            result["phases"].append(await phase(engine, p, payload["max_tokens"], f"p{n}"))
+            lengths = None
+            if p.get("match_lengths") and result["phases"]:
+                lengths = [r["tokens"] for r in result["phases"][-1]["records"]]
+            done = await phase(engine, p, f"p{n}", lengths)
+            say(f"phase {n + 1} done: {sum(r['tokens'] for r in done['records'])} tokens in "
+                f"{done['wall_seconds']:.1f} s")
+            result["phases"].append(done)
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if shutdown is not None:

@@ -45,8 +45,14 @@ def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
         s = p["server"]
         assert s["steps"] > 0 and s["forward_mean_seconds"] >= 0.002
         assert s["generation_tokens_constrained"] + s["generation_tokens_unconstrained"] == p["tokens"]
+        assert [r["index"] for r in p["records"]] == [0, 1, 2] and all(r["digest"] for r in p["records"])
+        assert p["cpu"]["cores_busy"] > 0
         if p["kind"] == "unconstrained":
-            assert set(p["finish_reasons"]) == {"length"} and p["tokens"] == 3 * 6
+            # Length-matched to the constrained requests at the same N, which ran just before.
+            twin = next(q for q in result["phases"] if q["kind"] == "constrained" and q["concurrency"] == p[
+                "concurrency"])
+            assert [r["max_tokens"] for r in p["records"]] == [max(2, r["tokens"]) for r in twin["records"]]
+            assert set(p["finish_reasons"]) == {"length"} and p["tokens"] == sum(r["max_tokens"] for r in p["records"])
             assert s["mask_wait_share"] == 0 and s["steps_with_grammar"] == 0 and p["forced_tokens"] == 0
         else:
             assert 0 <= s["mask_wait_share"] < 1 and s["steps_with_grammar"] > 0
