@@ -14,7 +14,7 @@ on its own, single-threaded: the intrinsic cost of each row. On the way it
   ~127), "bounded_string_long" inside one it matches with its windowed repeat
   (longer bounds), else "other";
 - optionally compiles each schema that has a bounded string a second time
-  with the bounded-string rewrite (grammar_svc.bench_rewrite), replays the
+  with the bounded-string rewrite (grammar_svc.bounded_strings), replays the
   same tokens on it, checks that every mask is identical and times its fills
   (schemas without one count with their own fill times: nothing changes).
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from grammar_svc.bench_rewrite import json_schema_ebnf, rewrite_bounded_strings
+from grammar_svc.bounded_strings import compile_json_schema, json_schema_ebnf, rewrite_bounded_strings
 from grammar_svc.bench_walks import WalkRun, progress
-from grammar_svc.spec import GrammarSpec, JsonOptions, Kind, compile_spec
+from grammar_svc.spec import JsonOptions
 
 # xgrammar 0.2.8 matches the characters of a string with minLength/maxLength
 # with this class (plain strings use [^\0-\x1f"\\\r\n] plus escapes); bounds
@@ -106,7 +106,8 @@ def compile_locally(info, schema_texts: dict[int, str], rewrite: bool, threads: 
         try:
             start = time.perf_counter()
             with quiet_stderr():
-                g.compiled = compile_spec(compiler, GrammarSpec(Kind.JSON_SCHEMA, text, opts))
+                # xgrammar's own form (the service compiles the rewritten one): rows are classified by its rules.
+                g.compiled = compile_json_schema(compiler, text, opts, rewrite=False)
             g.compile_seconds = time.perf_counter() - start
             g.bounded_rules, g.long_rules = _bounded_rule_ids(g.compiled)
         except Exception as e:  # noqa: BLE001 - recorded, the grammar's rows are skipped

@@ -196,8 +196,7 @@ class Engine:
             self._update_gauges()
             if not self.scheduler.has_work():
                 if self.grammar is not None and self.grammar.has_pending_closes():
-                    pending = await self.grammar.send([])
-                    await pending.receive(self._bitmask_np)
+                    await self.grammar.send([], self._bitmask_np).receive()
                     continue
                 self._wake.clear()
                 await self._wake.wait()
@@ -231,7 +230,7 @@ class Engine:
         rows = [self._grammar_row(req, i) for i, req in enumerate(sampled) if req.constrained]
         pending = None
         if self.grammar is not None and (rows or self.grammar.has_pending_closes()):
-            pending = await self.grammar.send(rows)
+            pending = self.grammar.send(rows, self._bitmask_np)
 
         started = time.perf_counter()
         logits = await loop.run_in_executor(self._executor, self.runner.forward, step.batch)
@@ -242,7 +241,7 @@ class Engine:
 
         results = None
         if pending is not None:
-            results = await pending.receive(self._bitmask_np)
+            results = await pending.receive()
             if rows:
                 self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
                 self.metrics.grammar_rpc_duration.observe(results.rpc_seconds)

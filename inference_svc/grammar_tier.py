@@ -80,50 +80,41 @@ class StepResults:
 
 
 class PendingStep:
-    def __init__(self, tier: "GrammarTier", parts: dict[int, list[int]], rows: list[GrammarRow],
-                 sent_at: float, failed: dict[int, BaseException]):
+    """A step on its way: one task per replica writes its StepRequest and reads the answer."""
+
+    def __init__(self, tier: "GrammarTier", parts: dict[int, list[int]], rows: list[GrammarRow], sent_at: float,
+                 bitmask: np.ndarray):
         self._tier = tier
         self._parts = parts  # replica -> indices into rows
         self._rows = rows
         self._sent_at = sent_at
-        self._failed = failed
+        self._tasks = {
+            replica: asyncio.ensure_future(tier._exchange(
+                replica, [rows[i].step for i in indices], bitmask, [max(rows[i].row, 0) for i in indices]))
+            for replica, indices in parts.items()}
 
-    @property
-    def empty(self) -> bool:
-        return not self._rows
-
-    async def receive(self, bitmask: np.ndarray) -> StepResults:
+    async def receive(self) -> StepResults:
         out: list[gpb.SessionResult | BaseException | None] = [None] * len(self._rows)
         sparse: list[SparseMask | None] = [None] * len(self._rows)
-        lost = set(self._failed)
-        for replica, exc in self._failed.items():
-            for i in self._parts[replica]:
-                out[i] = exc
-        reads = {r: self._tier._read(r) for r in self._parts if r not in self._failed}
-        answers = await asyncio.gather(*reads.values(), return_exceptions=True)
-        rpc_seconds = time.perf_counter() - self._sent_at
-        for replica, answer in zip(reads, answers):
+        lost: set[int] = set()
+        answers = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        answered_at = self._sent_at
+        for replica, answer in zip(self._tasks, answers):
             indices = self._parts[replica]
+            if not isinstance(answer, BaseException) and len(answer[0].results) != len(indices):
+                answer = ConnectionError(f"step answered {len(answer[0].results)} sessions, sent {len(indices)}")
             if isinstance(answer, BaseException):
                 lost.add(replica)
                 exc = self._tier._lose(replica, answer)
                 for i in indices:
                     out[i] = exc
                 continue
-            if len(answer.results) != len(indices):
-                exc = self._tier._lose(replica, ConnectionError(
-                    f"step answered {len(answer.results)} sessions, sent {len(indices)}"))
-                lost.add(replica)
-                for i in indices:
-                    out[i] = exc
-                continue
-            stream = self._tier._replicas[replica].stream
-            forms: list[SparseMask | None] = []
-            decode_masks(answer, stream.decoder, bitmask, [max(self._rows[i].row, 0) for i in indices], forms)
-            for i, result, form in zip(indices, answer.results, forms):
+            resp, forms, at = answer
+            answered_at = max(answered_at, at)
+            for i, result, form in zip(indices, resp.results, forms):
                 out[i] = result
                 sparse[i] = form
-        return StepResults(out, sparse, lost, rpc_seconds)
+        return StepResults(out, sparse, lost, answered_at - self._sent_at)
 
 
 class GrammarTier:
@@ -187,8 +178,13 @@ class GrammarTier:
     def has_pending_closes(self) -> bool:
         return any(r.pending_closes for r in self._replicas)
 
-    async def send(self, rows: list[GrammarRow]) -> PendingStep:
-        """Writes one StepRequest per replica with rows (plus pending closes); returns before any answer."""
+    def send(self, rows: list[GrammarRow], bitmask: np.ndarray) -> PendingStep:
+        """Starts one StepRequest per replica with rows (plus pending closes); returns before any answer.
+
+        Writing, reading and decoding the masks into `bitmask` (row GrammarRow.row)
+        run as tasks, so the caller launches its forward pass at once and all of
+        it overlaps the forward. The caller must not touch those rows until receive().
+        """
         parts: dict[int, list[int]] = {}
         rows = list(rows)
         for r in self._replicas:
@@ -197,20 +193,20 @@ class GrammarTier:
             r.pending_closes.clear()
         for i, row in enumerate(rows):
             parts.setdefault(row.replica, []).append(i)
-        failed: dict[int, BaseException] = {}
-        sent_at = time.perf_counter()
-        for replica, indices in parts.items():
-            r = self._replicas[replica]
-            try:
-                if r.stream is None:
-                    r.stream = r.client.open_stream(self.tokenizer.vocab_size)
-                await r.stream.write([rows[i].step for i in indices])
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as e:
-                failed[replica] = self._lose(replica, e)
-        return PendingStep(self, parts, rows, sent_at, failed)
+        return PendingStep(self, parts, rows, time.perf_counter(), bitmask)
 
-    async def _read(self, replica: int) -> gpb.StepResponse:
-        return await asyncio.wait_for(self._replicas[replica].stream.read(), STEP_TIMEOUT_SECONDS)
+    async def _exchange(self, replica: int, steps: list[gpb.SessionStep], bitmask: np.ndarray, rows: list[int]):
+        """(response, its masks' sparse forms, when decoded) for one replica's part of a step."""
+        r = self._replicas[replica]
+        if r.stream is None:
+            r.stream = r.client.open_stream(self.tokenizer.vocab_size)
+        stream = r.stream
+        await stream.write(steps)
+        resp = await asyncio.wait_for(stream.read(), STEP_TIMEOUT_SECONDS)
+        forms: list[SparseMask | None] = []
+        if len(resp.results) == len(steps):
+            decode_masks(resp, stream.decoder, bitmask, rows, forms)
+        return resp, forms, time.perf_counter()
 
     def _lose(self, replica: int, cause: BaseException) -> errors.UnavailableError:
         r = self._replicas[replica]

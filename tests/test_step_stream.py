@@ -535,6 +535,46 @@ def test_one_sessions_error_never_affects_others(registered, grammars, tok):
     run(go())
 
 
+# ------------------------------------------------------------- bounded strings
+
+BOUNDED = {"type": "object", "properties": {
+    "code": {"type": "string", "minLength": 2, "maxLength": 6},
+    "note": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}},
+    "required": ["code", "note", "tags"]}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bounded_strings_mask_like_xgrammar(registered, compiler, xgr_tokenizer_info, eos, seed):
+    """The service compiles bounded strings in tail form (grammar_svc/bounded_strings.py): every mask of a
+    random walk, short tokens preferred so every length is visited, equals xgrammar's own form's mask."""
+    rng = random.Random(seed)
+    reference = Local(compile_local(compiler, BOUNDED))
+    vocab = xgr_tokenizer_info.decoded_vocab
+
+    async def go():
+        c = Conn(registered.target, registered.vocab_size)
+        try:
+            gid = (await c.client.compile(registered.fingerprint, spec_for(BOUNDED))).grammar_id
+            resp, masks = await c.step(open_step(1, gid))
+            for _ in range(80):
+                assert resp.results[0].status == OK
+                assert same_mask(masks[0], reference.mask(), c.vocab_size)
+                allowed = [int(t) for t in reference.allowed()]
+                if allowed == [eos]:
+                    break  # the object is complete
+                short = [t for t in allowed if t != eos and len(bytes(vocab[t])) == 1]
+                token = rng.choice(short or [t for t in allowed if t != eos])
+                reference.accept([token])
+                resp, masks = await c.step(step(1, accept_token_ids=[token]))
+            else:
+                pytest.fail("the walk should reach the end of the object")
+        finally:
+            await c.close()
+
+    run(go())
+
+
 # ------------------------------------------------------------- jump-forward
 
 

@@ -1,4 +1,4 @@
-"""Bounded-string grammar rewrite (evaluated by `structd bench grammar`).
+"""Bounded-string grammar rewrite, applied to every JSON Schema the service compiles.
 
 xgrammar 0.2.8 turns a JSON Schema string with `maxLength` into
 `s ::= "\"" c{m, n} "\""` and, when compiling, expands `c{m, n}` into nested
@@ -17,7 +17,8 @@ The equivalent right-recursive form moves the closing quote into the rule:
 It accepts exactly the same strings, but a token that overflows the length
 now fails *inside* the rule (certain at compile time), so the mask is a
 cached lookup again. `c{m, -1}` (minLength only) gets the same treatment
-with one self-recursive tail rule. Measured effect: docs/benchmarks.md.
+with one self-recursive tail rule. Measured effect (`structd bench grammar`
+compares both forms mask by mask): docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -107,3 +108,15 @@ def json_schema_ebnf(schema_text: str, json_options) -> str:
     import xgrammar as xgr
 
     return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
+
+
+def compile_json_schema(compiler, schema_text: str, json_options, *, rewrite: bool = True):
+    """A JSON Schema compiled by xgrammar, with its bounded strings in tail form (unless rewrite=False)."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs())
+    if rewrite:
+        ebnf, rewritten = rewrite_bounded_strings(str(grammar))
+        if rewritten:
+            return compiler.compile_grammar(ebnf)
+    return compiler.compile_grammar(grammar)
