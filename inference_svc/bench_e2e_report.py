@@ -310,7 +310,8 @@ def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: fl
     v = c.get("constrained_throughput_vs_vllm") if c else None
     t["throughput_vs_vllm"] = ({"where": f"embedded model, N={top_n}, constrained tokens/s, structd / vLLM",
                                 "value": v, "target": "reported"} if v is not None
-                               else {"status": "not run (no --vllm-python)"})
+                               else {"status": f"not run (embedded model and vLLM peer at N={top_n}; vLLM needs "
+                                               "--vllm-python)"})
     return t
 
 

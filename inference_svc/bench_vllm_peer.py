@@ -12,6 +12,10 @@ greedy, `ignore_eos` for unconstrained requests and structured outputs (JSON
 schema) for constrained ones, and records per request the same fields as
 structd's side of the benchmark. Progress goes to stderr as "[vllm-peer] ...".
 
+Environment: VLLM_CPU_OMP_THREADS_BIND defaults to the last `threads` CPUs and
+VLLM_CPU_KVCACHE_SPACE to 1 GiB; set either to override. The result is one
+stdout line prefixed with RESULT_PREFIX (vLLM logs to stdout as well).
+
 Written against vLLM 0.32 (`AsyncLLMEngine` is the v1 `AsyncLLM`;
 `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`), with
 a fallback to the older `guided_decoding=GuidedDecodingParams(json=...)`.
@@ -25,6 +29,9 @@ import json
 import os
 import sys
 import time
+
+
+RESULT_PREFIX = "STRUCTD-VLLM-PEER-RESULT "
 
 
 def say(msg: str) -> None:
@@ -97,8 +104,14 @@ async def main_async(payload: dict) -> dict:
     import torch
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-    torch.set_num_threads(payload["threads"])
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    threads = payload["threads"]
+    torch.set_num_threads(threads)
+    # The model's OpenMP threads: as many as structd's torch threads, bound to the last CPUs
+    # (vLLM's own default binds one per physical core and reserves some for its frontend).
+    cpus = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus[-threads:]))
+    # KV cache in GiB; 0.32's automatic sizing fails to start the worker on a 2-core, 24 GiB machine.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(payload.get("kv_cache_gib", 1)))
     args = AsyncEngineArgs(model=payload["model"], dtype=payload.get("dtype", "float32"),
                            max_model_len=payload.get("max_model_len", 2048),
                            max_num_seqs=max(p["concurrency"] for p in payload["phases"]))
@@ -132,7 +145,8 @@ async def main_async(payload: dict) -> dict:
 def main() -> int:
     payload = json.load(sys.stdin)
     result = asyncio.run(main_async(payload))
-    print(json.dumps(result), flush=True)
+    # vLLM logs to stdout too: the result is the one line with this prefix.
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
 
