@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from grammar_svc.config import GrammarServiceConfig
 from grammar_svc.server import GrammarServer
+from shared.service_thread import ServiceThread
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -50,30 +50,9 @@ def load_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class ServerThread:
+def ServerThread(config: GrammarServiceConfig) -> ServiceThread:
     """A GrammarServer on a private event loop in a daemon thread."""
-
-    def __init__(self, config: GrammarServiceConfig):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="grammar-server")
-        self._thread.start()
-        self.server = GrammarServer(config)
-        self.call(self.server.start())
-
-    def call(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
-
-    def stop(self) -> None:
-        """Idempotent: a test may stop the server early (a lost replica); the fixture stops it again."""
-        if not self._thread.is_alive():
-            return
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+    return ServiceThread(GrammarServer(config), "grammar-server", start_timeout=120.0)
 
 
 def start_grammar_server(**overrides) -> ServerThread:
@@ -140,39 +119,11 @@ def registered(grammar_server, tokenizer_desc) -> Grammar:
     return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
 
 
-class InferenceServerThread:
-    """An InferenceServer on a private event loop in a daemon thread (like ServerThread)."""
+def InferenceServerThread(config) -> ServiceThread:
+    """An InferenceServer on a private event loop in a daemon thread."""
+    from inference_svc.server import InferenceServer
 
-    def __init__(self, config):
-        from inference_svc.server import InferenceServer
-
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="inference-server")
-        self._thread.start()
-        self.server = InferenceServer(config)
-        self.call(self.server.start(grammar_connect_timeout=60.0), timeout=600.0)
-
-    def call(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def run_sync(self, fn, timeout: float = 30.0):
-        """Runs fn() on the server's loop (engine state is only touched there)."""
-
-        async def go():
-            return fn()
-
-        return self.call(go(), timeout)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
-
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-        self.call(self.server.stop(0), timeout=60.0)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+    return ServiceThread(InferenceServer(config), "inference-server", grammar_connect_timeout=60.0)
 
 
 # Compiles in a few seconds on the service (bounded strings are xgrammar's slow case): the "slow grammar".
