@@ -46,6 +46,10 @@ from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 
 log = logging.getLogger(__name__)
 
+# Times one request may move to another grammar replica before it fails.
+MAX_REPLAYS = 3
+_NOT_FOUND = 5  # google.rpc.Code
+
 _GRAMMAR_ERROR_CODES = {
     8: errors.LimitExceededError,  # RESOURCE_EXHAUSTED: the replica's session limit
     3: errors.InvalidRequestError,  # INVALID_ARGUMENT
@@ -180,8 +184,9 @@ class Engine:
         self._compiling.discard(req)
         req.grammar_replica, req.grammar_id = replica, grammar_id
         req.session_id = self.grammar.new_session_id()
-        req.grammar_ready_at = time.monotonic()
-        self.metrics.grammar_wait.observe(req.grammar_ready_at - req.arrival)
+        if req.grammar_ready_at is None:
+            req.grammar_ready_at = time.monotonic()
+            self.metrics.grammar_wait.observe(req.grammar_ready_at - req.arrival)
         if req.cancelled:
             self._finish(req, FinishReason.CANCELLED)
             return
@@ -246,7 +251,7 @@ class Engine:
                 self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
                 self.metrics.grammar_rpc_duration.observe(results.rpc_seconds)
             for replica in results.lost_replicas:
-                self._fail_replica(replica, results)
+                self._replica_lost(replica, results)
 
         # Which rows get sampled, and with which mask.
         to_sample: list[int] = []
@@ -255,7 +260,7 @@ class Engine:
         forced: dict[int, list[int]] = {}
         by_row = {g.row: (r, f) for g, r, f in zip(rows, results.results, results.sparse)} if rows else {}
         for i, req in enumerate(sampled):
-            if req.phase is Phase.FINISHED:
+            if req.phase is not Phase.RUNNING:  # finished, or moved to another grammar replica
                 continue
             if req.constrained:
                 result, form = by_row[i]
@@ -302,9 +307,13 @@ class Engine:
             self._finish(req, None, error=errors.GrammarDesyncError(
                 f"the grammar rejected token {req.all_ids[-1]} that was sampled under its mask"))
         else:
-            cls = _GRAMMAR_ERROR_CODES.get(result.error_code, errors.UnavailableError)
             req.session_open = False  # an ERROR leaves no session behind on the replica
-            self._finish(req, None, error=cls(f"grammar session: {result.error_message}"))
+            if result.error_code == _NOT_FOUND:
+                # The replica forgot the session or its grammar (restart, idle expiry, eviction): replay.
+                self._replay(req, errors.UnavailableError(f"grammar session: {result.error_message}"))
+            else:
+                cls = _GRAMMAR_ERROR_CODES.get(result.error_code, errors.UnavailableError)
+                self._finish(req, None, error=cls(f"grammar session: {result.error_message}"))
         return False
 
     @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
@@ -367,13 +376,38 @@ class Engine:
             self.metrics.tpot.labels(label).observe((now - req.first_token_at) / (req.num_output - 1))
         req.outputs.put_nowait(Output(token_ids or [], text, reason, req.usage(), error))
 
-    def _fail_replica(self, replica: int, results) -> None:
-        """Every request pinned to a lost replica fails: its session is gone with the stream."""
+    def _replica_lost(self, replica: int, results) -> None:
+        """Every request pinned to a replica whose stream broke moves to another one (replay)."""
         error = next((r for r in results.results if isinstance(r, BaseException)), None)
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             if req.constrained and req.grammar_replica == replica:
                 req.session_open = False
-                self._finish(req, None, error=error or errors.UnavailableError("grammar replica lost"))
+                self._replay(req, error or errors.UnavailableError("grammar replica lost"))
+
+    def _replay(self, req: GenerationRequest, cause: BaseException) -> None:
+        """Rebuilds a lost grammar session elsewhere: a matcher is a pure function of (grammar, tokens).
+
+        The request leaves the batch (its KV blocks are freed and recomputed on
+        readmission), compiles its grammar on a live replica (the same grammar
+        id everywhere; usually a cache hit) and reopens its session with every
+        output token as accept_token_ids. Fails with `cause` after MAX_REPLAYS.
+        """
+        if req.replays >= MAX_REPLAYS:
+            self._finish(req, None, error=cause)
+            return
+        log.warning("request %s: grammar session lost (%s); replaying %d tokens on another replica",
+                    req.request_id, cause, req.num_output)
+        req.replays += 1
+        self.metrics.grammar_replays.inc()
+        self.grammar.release(req.grammar_replica, None)
+        req.grammar_replica = -1
+        req.session_open = False
+        req.pending_accept = list(req.output_ids)
+        self.scheduler.remove(req)
+        req.num_computed = 0
+        req.phase = Phase.COMPILING
+        self._compiling.add(req)
+        asyncio.create_task(self._compile(req), name=f"replay-{req.request_id}")
 
     def _reap_cancelled(self) -> None:
         cancelled, self._cancelled = self._cancelled, []

@@ -7,9 +7,11 @@ responses are read after the forward, and their masks decoded straight into
 the engine's bitmask rows.
 
 A replica whose stream breaks (or does not answer within the step timeout)
-is reported as lost; its stream is reopened for new requests. A session is a
-pure function of (grammar id, accepted tokens), so the engine could replay
-them elsewhere; today it fails the affected requests with UNAVAILABLE.
+is reported as lost and marked down (new compiles avoid it until `maintain`
+has registered the tokenizer with it again). A session is a pure function of
+(grammar id, accepted tokens), so the engine replays the affected requests on
+another replica. A `dns:///name:port` target (a Kubernetes headless Service)
+stands for every address it resolves to, re-resolved periodically.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +34,7 @@ from shared.tokenizer import TokenizerDescription
 
 log = logging.getLogger(__name__)
 
+DNS_SCHEME = "dns:///"
 # A grammar step is normally well under a millisecond; this only catches a hung replica.
 STEP_TIMEOUT_SECONDS = 30.0
 
@@ -119,10 +123,38 @@ class PendingStep:
 
 class GrammarTier:
     def __init__(self, targets: tuple[str, ...], tokenizer: TokenizerDescription, compile_timeout_seconds: float = 0.0):
-        self._replicas = [_Replica(i, GrammarClient(t)) for i, t in enumerate(targets)]
+        self._replicas: list[_Replica] = []
+        # dns:///name:port is a set of replicas (a headless Service): one per address, re-resolved by maintain().
+        self._dns_names = [t for t in targets if t.startswith(DNS_SCHEME)]
+        for t in targets:
+            if not t.startswith(DNS_SCHEME):
+                self._add(t)
+        self._resolve()
         self.tokenizer = tokenizer
         self.compile_timeout_seconds = compile_timeout_seconds
         self._session_ids = itertools.count(1)
+
+    def _add(self, target: str) -> None:
+        if all(r.client.target != target for r in self._replicas):
+            self._replicas.append(_Replica(len(self._replicas), GrammarClient(target)))
+
+    def _resolve(self) -> None:
+        """Adds a replica for every address the dns:/// targets resolve to now (vanished ones fail and stay down)."""
+        for name in self._dns_names:
+            host, _, port = name[len(DNS_SCHEME):].rpartition(":")
+            try:
+                infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (OSError, ValueError) as e:
+                log.warning("cannot resolve grammar target %s: %s", name, e)
+                continue
+            for family, _, _, _, addr in infos:
+                self._add(f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}")
+
+    async def maintain(self, interval_seconds: float = 5.0) -> None:
+        """Forever: re-resolves dns:/// targets and hands the tokenizer to replicas that lack it."""
+        while True:
+            await asyncio.sleep(interval_seconds)
+            await self.connect(timeout=min(interval_seconds, 5.0))
 
     @property
     def targets(self) -> list[str]:
@@ -132,7 +164,10 @@ class GrammarTier:
         return self._replicas[replica].client.target
 
     async def connect(self, timeout: float = 5.0) -> int:
-        """Registers the tokenizer with every replica not yet registered; returns how many are."""
+        """Registers the tokenizer with every replica not yet registered (dns:/// targets re-resolved first);
+        returns how many are."""
+        if self._dns_names:
+            await asyncio.to_thread(self._resolve)
 
         async def one(r: _Replica) -> None:
             if r.registered:
@@ -141,7 +176,7 @@ class GrammarTier:
                 await r.client.register_tokenizer(self.tokenizer, timeout=timeout)
                 r.registered = True
             except grpc.aio.AioRpcError as e:
-                log.warning("grammar replica %s not reachable: %s", r.client.target, e.details())
+                log.debug("grammar replica %s not reachable: %s", r.client.target, e.details())
 
         await asyncio.gather(*(one(r) for r in self._replicas))
         return sum(r.registered for r in self._replicas)
@@ -210,6 +245,8 @@ class GrammarTier:
 
     def _lose(self, replica: int, cause: BaseException) -> errors.UnavailableError:
         r = self._replicas[replica]
+        # New compiles avoid it until maintain() has handed it the tokenizer again.
+        r.registered = False
         if r.stream is not None:
             r.stream.cancel()
             r.stream = None

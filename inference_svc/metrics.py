@@ -69,6 +69,10 @@ class InferenceMetrics:
         self.requests = Counter(
             "inference_svc_requests_total", "Finished requests by finish reason.",
             ["constrained", "finish_reason"], registry=r)
+        self.grammar_replays = Counter(
+            "inference_svc_grammar_replays_total",
+            "Grammar sessions rebuilt on another replica by replaying their tokens (a replica was lost).",
+            registry=r)
         self.preemptions = Counter(
             "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
         # Export both label values from the start, so dashboards and rates see zeros, not gaps.

@@ -74,6 +74,7 @@ class GenerationRequest:
     session_open: bool = False
     pending_accept: list[int] = field(default_factory=list)
     forced_tokens: int = 0
+    replays: int = 0  # times its grammar session was rebuilt on another replica
     cancelled: bool = False
     admitted_at: float | None = None
     grammar_ready_at: float | None = None

@@ -81,6 +81,7 @@ class InferenceServer:
         self.port = 0
         self.metrics_port = 0
         self._metrics_http = None
+        self._maintain: asyncio.Task | None = None
 
     async def start(self, grammar_connect_timeout: float = 600.0) -> None:
         from shared.tokenizer import describe
@@ -115,7 +116,8 @@ class InferenceServer:
                 raise SystemExit(f"no grammar replica reachable at {','.join(c.grammar_targets)}")
             log.info("waiting for the grammar tier at %s ...", ",".join(c.grammar_targets))
             await asyncio.sleep(1.0)
-        log.info("grammar tier: %d of %d replica(s) have the tokenizer", n, len(c.grammar_targets))
+        log.info("grammar tier: %d of %d replica(s) have the tokenizer", n, len(self.grammar.targets))
+        self._maintain = asyncio.create_task(self.grammar.maintain(), name="grammar-tier-maintenance")
         self.engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("inference service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
@@ -133,6 +135,8 @@ class InferenceServer:
             await self.server.stop(1.0)
         if self.engine is not None:
             await self.engine.close()
+        if self._maintain is not None:
+            self._maintain.cancel()
         if self.grammar is not None:
             await self.grammar.close()
         if self._metrics_http is not None:

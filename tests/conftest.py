@@ -11,6 +11,8 @@ import asyncio
 import json
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,3 +159,28 @@ def inference_client(inference_server):
     client = InferenceClient(inference_server.target)
     yield client
     client.close()
+
+
+def background_complete(target, **kwargs):
+    """Streams a request on its own thread; returns (thread, result box with "out" or "err")."""
+    from shared.inference_client import InferenceClient, InferenceError
+
+    box: dict = {}
+
+    def go():
+        with InferenceClient(target) as client:
+            try:
+                box["out"] = client.complete(**kwargs)
+            except InferenceError as e:
+                box["err"] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, box
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)

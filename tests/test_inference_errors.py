@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from shared.inference_client import InferenceClient, InferenceError
-from tests.conftest import TOO_SLOW_SCHEMA, InferenceServerThread, require_tool, start_grammar_server
+from tests.conftest import (TOO_SLOW_SCHEMA, InferenceServerThread, background_complete, require_tool,
+                            start_grammar_server, wait_until)
 
 BAD = [
     pytest.param(dict(prompt=""), "prompt is empty", id="empty-prompt"),
@@ -92,34 +93,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _background(target, **kwargs):
-    """Streams a request on its own thread; returns (thread, result box)."""
-    box: dict = {}
-
-    def go():
-        with InferenceClient(target) as client:
-            try:
-                box["out"] = client.complete(**kwargs)
-            except InferenceError as e:
-                box["err"] = e
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    return t, box
-
-
-def _wait_until(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_waiting_queue_limit_is_resource_exhausted(simulated):
     engine = simulated.server.engine
-    long = [_background(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True) for i in range(3)]
+    long = [background_complete(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True) for i in range(3)]
     # One runs (max_num_seqs=1), two wait (max_waiting=2): the next is refused.
-    _wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == 3, "three requests admitted")
+    wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == 3, "three requests admitted")
     with InferenceClient(simulated.target) as client, pytest.raises(InferenceError) as err:
         client.complete("one too many", max_tokens=2)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -145,10 +123,10 @@ def test_live_metrics_exposition_passes_promtool(simulated):
 
 
 def test_lost_grammar_replica_fails_its_requests_alone(simulated, own_grammar):
-    constrained = _background(simulated.target, prompt="c", regex="[a-z]{1,2000}", max_tokens=1500)
-    unconstrained = _background(simulated.target, prompt="u", max_tokens=60, ignore_eos=True)
+    constrained = background_complete(simulated.target, prompt="c", regex="[a-z]{1,2000}", max_tokens=1500)
+    unconstrained = background_complete(simulated.target, prompt="u", max_tokens=60, ignore_eos=True)
     engine = simulated.server.engine
-    _wait_until(lambda: simulated.run_sync(lambda: any(r.constrained and r.num_output > 2
+    wait_until(lambda: simulated.run_sync(lambda: any(r.constrained and r.num_output > 2
                                                        for r in engine.scheduler.running)),
                 "the constrained request is decoding")
     own_grammar.stop()
@@ -169,13 +147,13 @@ def test_lost_grammar_replica_fails_its_requests_alone(simulated, own_grammar):
 def test_drain_finishes_streams_and_refuses_new_requests(simulated):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    t, box = _background(simulated.target, prompt="drain", max_tokens=5000, ignore_eos=True)
+    t, box = background_complete(simulated.target, prompt="drain", max_tokens=5000, ignore_eos=True)
     engine = simulated.server.engine
-    _wait_until(lambda: simulated.run_sync(lambda: len(engine.scheduler.running)) == 1, "request running")
+    wait_until(lambda: simulated.run_sync(lambda: len(engine.scheduler.running)) == 1, "request running")
     stopping = threading.Thread(target=lambda: simulated.call(simulated.server.stop(grace=0.5)), daemon=True)
     stopping.start()
     with grpc.insecure_channel(simulated.target) as ch:
-        _wait_until(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
+        wait_until(lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest()).status
                     == health_pb2.HealthCheckResponse.NOT_SERVING, "health turns NOT_SERVING")
         with pytest.raises(InferenceError) as err:
             InferenceClient(simulated.target, channel=ch).complete("late", max_tokens=2)
