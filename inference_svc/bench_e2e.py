@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference_svc.bench_e2e_workload import SCHEMAS, Work, work
+from shared.service_thread import ServiceThread
 
 REPO = Path(__file__).resolve().parent.parent
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
@@ -122,22 +123,8 @@ def apply_quick(args) -> None:
 # --- the services --------------------------------------------------------------------------
 
 
-class ServiceThread:
-    """A server object (GrammarServer, InferenceServer) on a private event loop in a daemon thread."""
-
-    def __init__(self, name: str, server, start_coro, timeout: float = 600.0):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
-        self._thread.start()
-        self.server = server
-        self.call(start_coro, timeout)
-
-    def call(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.server.port}"
+class InProcessService(ServiceThread):
+    """A server on a thread of this process (shared.service_thread), with the ChildService interface."""
 
     def cpu_seconds(self) -> float | None:
         return None  # shares this process with the client
@@ -146,13 +133,6 @@ class ServiceThread:
         from prometheus_client import generate_latest
 
         return generate_latest(self.server.metrics.registry).decode("utf-8")
-
-    def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
-        self.call(self.server.stop(0), timeout=60.0)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 class ChildService:
@@ -231,7 +211,7 @@ def start_grammar(args, out: Path):
 
         server = GrammarServer(GrammarServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
                                                     max_sessions=65536))
-        return ServiceThread("bench-grammar", server, server.start())
+        return InProcessService(server, "bench-grammar")
     return ChildService(["grammar", "--max-sessions", "65536"], out / "grammar-server.log")
 
 
@@ -251,7 +231,7 @@ def start_inference(args, runner: RunnerSpec, grammar_target: str, max_n: int, o
         from inference_svc.server import InferenceServer
 
         server = InferenceServer(cfg)
-        return ServiceThread(f"bench-inference-{runner.name}", server, server.start(grammar_connect_timeout=60.0))
+        return InProcessService(server, f"bench-inference-{runner.name}", grammar_connect_timeout=60.0)
     e = cfg.engine
     flags = ["inference", "--grammar-target", grammar_target, "--num-threads", str(cfg.num_threads),
              "--dtype", cfg.dtype, "--max-num-seqs", str(e.max_num_seqs), "--max-waiting", str(e.max_waiting),

@@ -9,7 +9,9 @@ unconstrained phase with match_lengths gives request j the length constrained
 request j generated in the phase before it, as structd's side does. Each
 phase streams its requests through vLLM's async engine, N in flight at a time,
 greedy, `ignore_eos` for unconstrained requests and structured outputs (JSON
-schema) for constrained ones, and records per request the same fields as
+schema, `disable_any_whitespace` so that the language is structd's compact
+JSON: with vLLM's default free whitespace a random-weight model pads every
+answer with whitespace up to max_tokens) for constrained ones, and records per request the same fields as
 structd's side of the benchmark. Progress goes to stderr as "[vllm-peer] ...".
 
 Environment: VLLM_CPU_OMP_THREADS_BIND defaults to the last `threads` CPUs and
@@ -47,11 +49,12 @@ def sampling_params(max_tokens: int, schema):
     try:
         from vllm.sampling_params import StructuredOutputsParams
 
-        return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
+        return SamplingParams(structured_outputs=StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True), **kw)
     except ImportError:
         from vllm.sampling_params import GuidedDecodingParams
 
-        return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema), **kw)
+        return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True), **kw)
 
 
 async def one(engine, rid: str, prompt: str, params) -> dict:
