@@ -425,6 +425,9 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
     from inference_svc import bench_e2e_report as report
     from inference_svc.bench_peers import run_vllm
 
+    from shared.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(str(model_path))  # the ids structd and the transformers peer feed
     phases_in = []
     for n in args.concurrency:
         for kind in ("constrained", "unconstrained"):
@@ -432,8 +435,9 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
             phases_in.append({"kind": kind, "concurrency": n,
                               # the script matches unconstrained lengths to the constrained phase before it
                               "match_lengths": kind == "unconstrained" and not args.unmatched_lengths,
-                              "requests": [{"prompt": w.prompt, "schema": w.schema, "schema_name": w.schema_name,
-                                            "max_tokens": m} for w, m in items]})
+                              "requests": [{"prompt": w.prompt, "prompt_token_ids": list(tok.encode(w.prompt)),
+                                            "schema": w.schema, "schema_name": w.schema_name, "max_tokens": m}
+                                           for w, m in items]})
     payload = {"threads": threads, "dtype": args.dtype, "phases": phases_in}
     got = run_vllm(args.vllm_python, model_path, payload, out / "vllm-peer.log", progress)
     if got.get("status") != "ok":

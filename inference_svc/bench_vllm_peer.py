@@ -9,9 +9,11 @@ unconstrained phase with match_lengths gives request j the length constrained
 request j generated in the phase before it, as structd's side does. Each
 phase streams its requests through vLLM's async engine, N in flight at a time,
 greedy, `ignore_eos` for unconstrained requests and structured outputs (JSON
-schema, `disable_any_whitespace` so that the language is structd's compact
-JSON: with vLLM's default free whitespace a random-weight model pads every
-answer with whitespace up to max_tokens) for constrained ones, and records per request the same fields as
+schema) for constrained ones, with the engine's structured-outputs backend
+pinned to xgrammar and `disable_any_whitespace`, so that the language is
+structd's compact JSON (with vLLM's default free whitespace a random-weight
+model pads every answer with whitespace up to max_tokens). Prompts go in as
+the token ids structd's tokenizer gives them, so all three see the same input, and records per request the same fields as
 structd's side of the benchmark. Progress goes to stderr as "[vllm-peer] ...".
 
 Environment: VLLM_CPU_OMP_THREADS_BIND defaults to the last `threads` CPUs and
@@ -49,15 +51,14 @@ def sampling_params(max_tokens: int, schema):
     try:
         from vllm.sampling_params import StructuredOutputsParams
 
-        return SamplingParams(structured_outputs=StructuredOutputsParams(
-            json=schema, disable_any_whitespace=True), **kw)
+        return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
     except ImportError:
         from vllm.sampling_params import GuidedDecodingParams
 
-        return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True), **kw)
+        return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema), **kw)
 
 
-async def one(engine, rid: str, prompt: str, params) -> dict:
+async def one(engine, rid: str, prompt, params) -> dict:
     started = time.perf_counter()
     first = last = None
     ids: list[int] = []
@@ -93,7 +94,8 @@ async def phase(engine, p: dict, tag: str, lengths: list[int] | None = None) -> 
         while queue:
             i, r = queue.pop(0)
             m = max(2, lengths[i]) if lengths and i < len(lengths) and lengths[i] else r["max_tokens"]
-            rec = await one(engine, f"{tag}-{i}", r["prompt"], sampling_params(m, r["schema"]))
+            prompt = {"prompt_token_ids": r["prompt_token_ids"]} if r.get("prompt_token_ids") else r["prompt"]
+            rec = await one(engine, f"{tag}-{i}", prompt, sampling_params(m, r["schema"]))
             rec.update(index=i, schema=r.get("schema_name"), max_tokens=m)
             records[i] = rec
 
@@ -115,9 +117,13 @@ async def main_async(payload: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in cpus[-threads:]))
     # KV cache in GiB; 0.32's automatic sizing fails to start the worker on a 2-core, 24 GiB machine.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(payload.get("kv_cache_gib", 1)))
+    from vllm.config import StructuredOutputsConfig
+
     args = AsyncEngineArgs(model=payload["model"], dtype=payload.get("dtype", "float32"),
                            max_model_len=payload.get("max_model_len", 2048),
-                           max_num_seqs=max(p["concurrency"] for p in payload["phases"]))
+                           max_num_seqs=max(p["concurrency"] for p in payload["phases"]),
+                           structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                                             disable_any_whitespace=True))
     say(f"starting the engine on {payload['model']}")
     engine = AsyncLLMEngine.from_engine_args(args)
     import vllm
