@@ -55,9 +55,10 @@ class InferenceServiceConfig:
         e = self.engine
         if not self.grammar_targets:
             problems.append("--grammar-target needs at least one HOST:PORT")
-        if self.tp != 1:
-            problems.append(f"--tp {self.tp}: this build runs one rank per replica (tensor parallelism is not "
-                            "implemented yet); use --tp 1")
+        if self.tp < 1:
+            problems.append("--tp must be at least 1")
+        if self.tp > 1 and self.simulate_step_ms:
+            problems.append("the simulated runner has no model to shard: use --tp 1 with --simulate-step-ms")
         if self.model is not None and not (self.model / "config.json").is_file():
             problems.append(f"--model {self.model} is not a Hugging Face model directory (no config.json)")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -102,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                         help="Hugging Face causal LM directory (default: the embedded model, built on first use)")
     parser.add_argument("--model-cache-dir", type=Path, default=env.get(ENV_PREFIX + "MODEL_CACHE_DIR"),
                         help="where the embedded model is cached (default ~/.cache/structd/models)")
-    parser.add_argument("--tp", type=int, default=env_default("tp", d.tp), help="tensor-parallel ranks")
+    parser.add_argument("--tp", type=int, default=env_default("tp", d.tp),
+                        help="tensor-parallel ranks (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment, "
+                             "as a LeaderWorkerSet sets them; without them ranks 1..N-1 are started locally)")
     parser.add_argument("--device", default=env.get(ENV_PREFIX + "DEVICE"), help="cpu or cuda (default: cuda if present)")
     parser.add_argument("--dtype", default=env_default("dtype", d.dtype), help="float32, bfloat16 or float16")
     parser.add_argument("--num-threads", type=int, default=env_default("num_threads", d.num_threads),

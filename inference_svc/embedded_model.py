@@ -242,19 +242,26 @@ def resolve_dtype(dtype):
     return resolved
 
 
-def load_model(path: str | os.PathLike, device: str | None = None, dtype="float32"):
+def load_model(path: str | os.PathLike, device: str | None = None, dtype="float32", *, tensor_parallel: bool = False):
     """(model, tokenizer) for a Hugging Face causal LM directory, in eval mode on `device`.
 
     Local files only: a path that is not a complete model directory fails
-    here rather than reaching for a model hub.
+    here rather than reaching for a model hub. With tensor_parallel (a
+    torch.distributed group already initialised), transformers shards the
+    weights over the group's ranks (`tp_plan="auto"`) and places them itself.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
-    model.to(device or default_device()).eval()
+    if tensor_parallel:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True,
+                                                     tp_plan="auto")
+        model.eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), local_files_only=True)
+        model.to(device or default_device()).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 

@@ -122,10 +122,12 @@ class PagedModelRunner:
         num_blocks: int | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         kv_dtype: torch.dtype | None = None,
+        tp_size: int = 1,
     ) -> "PagedModelRunner":
-        """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes."""
+        """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes (per rank:
+        under tensor parallelism each rank caches its own share of the KV heads)."""
         param = next(model.parameters())
-        spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size)
+        spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size, tp_size)
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
         return cls(model, PagedKVCache(spec, blocks, param.device))
 
@@ -141,16 +143,19 @@ class PagedModelRunner:
     def block_manager(self) -> BlockManager:
         return self.kv_cache.blocks
 
-    @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         blocks = self.kv_cache.blocks
         validate_batch(batch, blocks)
-        layouts, tables, token_ids, positions, last_index = [], [], [], [], []
+        return self.forward_with_tables(batch, [blocks.block_table(c.seq_id) for c in batch.chunks])
+
+    @torch.inference_mode()
+    def forward_with_tables(self, batch: StepBatch, tables: Sequence[list[int]]) -> torch.Tensor:
+        """The step with block tables given (tensor-parallel workers get them from rank 0's scheduler)."""
+        layouts, token_ids, positions, last_index = [], [], [], []
         q_start = 0
         for c in batch.chunks:
             n = len(c.token_ids)
             layouts.append(SeqLayout(q_start, n, c.start_pos))
-            tables.append(blocks.block_table(c.seq_id))
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, c.start_pos + n))
             if c.needs_logits:

@@ -177,11 +177,14 @@ class KVCacheSpec:
     block_size: int = 16
 
     @classmethod
-    def from_model_config(cls, config, dtype: torch.dtype, block_size: int = 16) -> "KVCacheSpec":
+    def from_model_config(cls, config, dtype: torch.dtype, block_size: int = 16, tp_size: int = 1) -> "KVCacheSpec":
+        """The spec of one rank's cache: tensor parallelism splits the KV heads over tp_size ranks."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, dtype, block_size)
+        if num_kv_heads % tp_size:
+            raise ValueError(f"the model's {num_kv_heads} KV heads do not split over {tp_size} tensor-parallel ranks")
+        return cls(config.num_hidden_layers, num_kv_heads // tp_size, head_dim, dtype, block_size)
 
     @property
     def bytes_per_token(self) -> int:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,6 +27,8 @@ from inference_svc.engine import Engine, TokenizerView
 from inference_svc.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.servicer import InferenceServicer
+from inference_svc.tensor_parallel import (SPAWNED_ENV, RankInfo, TensorParallelRunner, init_group, rank_from_env,
+                                           spawn_local_ranks, worker_loop)
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.grpc_options import SERVER_OPTIONS
@@ -42,8 +48,12 @@ def tokenizer_view(tokenizer, extra_eos_ids=()) -> TokenizerView:
                          special_ids=frozenset(special_token_ids(tokenizer)), eos_ids=frozenset(eos))
 
 
-def load_runner(config: InferenceServiceConfig):
-    """(runner, tokenizer, eos ids from the generation config, max model length)."""
+def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None):
+    """(runner, tokenizer, eos ids from the generation config, max model length).
+
+    With a tensor-parallel rank, joins the group first and loads this rank's
+    shard; rank 0 gets a runner that broadcasts every step to the others.
+    """
     import torch
 
     from inference_svc.embedded_model import default_device, ensure_embedded_model, load_model
@@ -53,6 +63,8 @@ def load_runner(config: InferenceServiceConfig):
     device = config.device or default_device()
     if device == "cpu":
         torch.set_num_threads(config.torch_threads())
+    if rank is not None:
+        init_group(rank, "cuda" if device.startswith("cuda") else "cpu")
     if config.simulate_step_ms:
         from inference_svc.simulated_runner import SimulatedRunner
 
@@ -61,8 +73,11 @@ def load_runner(config: InferenceServiceConfig):
                                  block_size=config.block_size)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN
     path = config.model or ensure_embedded_model(config.model_cache_dir)
-    model, tok = load_model(path, device, config.dtype)
-    runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes)
+    model, tok = load_model(path, device, config.dtype, tensor_parallel=rank is not None)
+    runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+                                     tp_size=config.tp)
+    if rank is not None and rank.rank == 0:
+        runner = TensorParallelRunner(runner)
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     return runner, tok, eos_ids, model.config.max_position_embeddings
@@ -71,8 +86,12 @@ def load_runner(config: InferenceServiceConfig):
 class InferenceServer:
     """One inference replica. `start` returns once it is SERVING; `stop` drains."""
 
-    def __init__(self, config: InferenceServiceConfig):
+    def __init__(self, config: InferenceServiceConfig, rank: RankInfo | None = None,
+                 children: Sequence[subprocess.Popen] = ()):
         self.config = config
+        self.rank = rank  # rank 0 of a tensor-parallel group, or None
+        self.children = list(children)  # ranks 1..N-1 this process started
+        self.runner = None
         self.metrics = InferenceMetrics()
         self.engine: Engine | None = None
         self.grammar: GrammarTier | None = None
@@ -96,7 +115,8 @@ class InferenceServer:
             self.metrics_port = self._metrics_http.server_port
 
         started = time.perf_counter()
-        runner, tok, eos_ids, max_model_len = await asyncio.to_thread(load_runner, c)
+        runner, tok, eos_ids, max_model_len = await asyncio.to_thread(load_runner, c, self.rank)
+        self.runner = runner
         log.info("model ready in %.1f s (vocab %d, %s)", time.perf_counter() - started, runner.vocab_size,
                  "simulated" if c.simulate_step_ms else (c.model or "embedded default"))
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
@@ -135,6 +155,13 @@ class InferenceServer:
             await self.server.stop(1.0)
         if self.engine is not None:
             await self.engine.close()
+        if isinstance(self.runner, TensorParallelRunner):
+            await asyncio.to_thread(self.runner.close)
+        for child in self.children:
+            try:
+                await asyncio.to_thread(child.wait, 30)
+            except subprocess.TimeoutExpired:
+                child.kill()
         if self._maintain is not None:
             self._maintain.cancel()
         if self.grammar is not None:
@@ -144,8 +171,42 @@ class InferenceServer:
             self._metrics_http.server_close()
 
 
+async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_port: int | None) -> None:
+    """Ranks 1..N-1: load this rank's shard, then run every step rank 0 broadcasts.
+
+    In a LeaderWorkerSet each rank is a pod with gRPC probes: health_port
+    serves grpc.health.v1 (SERVING once the shard is loaded).
+    """
+    server = None
+    status = None
+    if health_port is not None:
+        status = health.aio.HealthServicer()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(status, server)
+        await status.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        server.add_insecure_port(f"{config.host}:{health_port}")
+        await server.start()
+    runner, *_ = await asyncio.to_thread(load_runner, config, rank)
+    if status is not None:
+        await status.set("", health_pb2.HealthCheckResponse.SERVING)
+    steps = await asyncio.to_thread(worker_loop, runner)
+    log.info("tensor-parallel rank %d: rank 0 stopped the group after %d steps", rank.rank, steps)
+    if server is not None:
+        await server.stop(0)
+
+
 async def serve(config: InferenceServiceConfig) -> None:
-    server = InferenceServer(config)
+    rank, children = None, []
+    if config.tp > 1:
+        rank = rank_from_env(dict(os.environ), config.tp)
+        if rank is None:
+            rank, children = spawn_local_ranks(config.tp, sys.argv[1:])
+        elif rank.rank != 0:
+            # A rank this process started itself shares rank 0's host and ports: no health server.
+            local = os.environ.get(SPAWNED_ENV) == "1"
+            await serve_worker(config, rank, None if local else config.port)
+            return
+    server = InferenceServer(config, rank, children)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,104 @@
+"""Tensor parallelism on the CPU (gloo): `structd inference --tp 2` gives the tokens one rank gives.
+
+The two ranks are real processes (rank 0 starts rank 1 itself, as it does
+without LeaderWorkerSet variables); each holds half of every sharded weight
+and half of the KV heads. Greedy decoding is compared with the session's
+single-rank server, constrained and not.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from inference_svc.paged_kv import KVCacheSpec
+from inference_svc.tensor_parallel import rank_from_env
+from shared.inference_client import InferenceClient
+from tests.conftest import REPO
+from tests.test_cli import children_of, running
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"type": "string", "maxLength": 6}}, "required": ["a", "b"]}
+PROMPTS = [
+    pytest.param(dict(prompt="Hello world", max_tokens=16, ignore_eos=True), id="unconstrained"),
+    pytest.param(dict(prompt="J:", json_schema=SCHEMA, max_tokens=40), id="json-schema"),
+    pytest.param(dict(prompt="Pick:", choice=["alpha", "beta", "gamma"]), id="choice"),
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(grammar_server):
+    from shared.up import wait_serving
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "inference", "--host", "127.0.0.1", "--port", str(port),
+                             "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
+                             "--num-threads", "1", "--log-level", "WARNING"], cwd=REPO)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("request_args", PROMPTS)
+def test_two_ranks_decode_like_one(tp2, inference_client, request_args):
+    _, target = tp2
+    kwargs = dict(request_args)
+    prompt = kwargs.pop("prompt")
+    one = inference_client.complete(prompt, **kwargs)
+    with InferenceClient(target) as client:
+        two = client.complete(prompt, **kwargs)
+    assert two.token_ids == one.token_ids
+    assert (two.text, two.finish_reason) == (one.text, one.finish_reason)
+
+
+def test_sigterm_stops_every_rank(tp2):
+    proc, _ = tp2
+    children = children_of(proc.pid)
+    assert len(children) == 1, "rank 0 starts rank 1 itself"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    child = children.pop()
+    deadline = time.monotonic() + 10
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(child), "rank 1 outlived rank 0"
+
+
+@pytest.mark.parametrize("env, message", [
+    pytest.param({"WORLD_SIZE": "4", "RANK": "0"}, "must agree", id="world-size-mismatch"),
+    pytest.param({"WORLD_SIZE": "2", "RANK": "2"}, "outside", id="rank-out-of-range"),
+])
+def test_rank_environment_is_checked(env, message):
+    with pytest.raises(SystemExit, match=message):
+        rank_from_env(env, 2)
+
+
+def test_rank_environment_absent_means_local_ranks():
+    assert rank_from_env({}, 2) is None
+    info = rank_from_env({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "leader", "MASTER_PORT": "29501"}, 2)
+    assert (info.rank, info.world_size, info.master_addr, info.master_port) == (1, 2, "leader", 29501)
+
+
+def test_kv_heads_split_over_ranks():
+    import torch
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    assert KVCacheSpec.from_model_config(config, torch.float32, 16, tp_size=2).num_kv_heads == 1
+    with pytest.raises(ValueError, match="do not split"):
+        KVCacheSpec.from_model_config(config, torch.float32, 16, tp_size=4)
