@@ -147,7 +147,7 @@ class ChildService:
         self.cmd = [sys.executable, "-m", "shared.cli", *args, "--host", "127.0.0.1", "--port", "0",
                     "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", "--grace-seconds", "1"]
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open for the child's lifetime, closed in stop()
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log,
@@ -424,7 +424,6 @@ def run_transformers_peer(args, model_path: Path, threads: int) -> dict:
 def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
     from inference_svc import bench_e2e_report as report
     from inference_svc.bench_peers import run_vllm
-
     from shared.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(str(model_path))  # the ids structd and the transformers peer feed

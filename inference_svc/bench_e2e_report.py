@@ -355,8 +355,8 @@ def markdown(result: dict) -> str:
             f"{_g(p, 'tokens_per_request', 'mean', default=0):.1f} | {_fmt_ms(_g(p, 'ttft_seconds', 'p50'))} | "
             f"{_fmt_ms(_g(p, 'tpot_seconds', 'mean'))} | {_fmt_ms(_g(p, 'tpot_seconds', 'p50'))} | "
             f"{p['throughput_tokens_per_second'] or 0:.0f} | {server_cols} |")
-    lines += ["", "| runner | N | TPOT constrained/unconstrained (mean) | (p50) | throughput c/u | "
-                  "no-JF TPOT / unconstrained | constrained tok/s vs transformers | vs vLLM |",
+    lines += ["", ("| runner | N | TPOT constrained/unconstrained (mean) | (p50) | throughput c/u | "
+                   "no-JF TPOT / unconstrained | constrained tok/s vs transformers | vs vLLM |"),
               "|---|---|---|---|---|---|---|---|"]
 
     def r(x):

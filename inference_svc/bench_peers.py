@@ -110,8 +110,8 @@ class TransformersPeer:
         clock = _StepClock()
         processors.append(clock)
         enc = self.tok([w.prompt for w in batch], return_tensors="pt", padding=True)
-        kwargs = dict(max_new_tokens=max(lengths), do_sample=False, pad_token_id=self.pad_id,
-                      logits_processor=processors)
+        kwargs = {"max_new_tokens": max(lengths), "do_sample": False, "pad_token_id": self.pad_id,
+                  "logits_processor": processors}
         started = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(**enc, **kwargs)

@@ -34,7 +34,6 @@ import os
 import sys
 import time
 
-
 RESULT_PREFIX = "STRUCTD-VLLM-PEER-RESULT "
 
 
@@ -45,7 +44,7 @@ def say(msg: str) -> None:
 def sampling_params(max_tokens: int, schema):
     from vllm import SamplingParams
 
-    kw = dict(max_tokens=max_tokens, temperature=0.0)
+    kw = {"max_tokens": max_tokens, "temperature": 0.0}
     if schema is None:
         return SamplingParams(ignore_eos=True, **kw)
     try:
