@@ -279,10 +279,14 @@ class Engine:
             samplers = [sampled[i].sampler for i in to_sample]
             tokens = await loop.run_in_executor(
                 self._executor, self._mask_and_sample, logits, masked, ban_eos, to_sample, samplers)
+        appended = {True: 0, False: 0}
         for i, token in zip(to_sample, tokens):
-            self._append(sampled[i], [token], sampled_token=True)
+            appended[sampled[i].constrained] += self._append(sampled[i], [token], sampled_token=True)
         for i, ids in forced.items():
-            self._append(sampled[i], ids, sampled_token=False)
+            appended[sampled[i].constrained] += self._append(sampled[i], ids, sampled_token=False)
+        for constrained, n in appended.items():
+            if n:
+                self.metrics.by_kind[constrained].generation_tokens.inc(n)
 
     def _grammar_row(self, req: GenerationRequest, row: int) -> GrammarRow:
         s = gpb.SessionStep(session_id=req.session_id, accept_token_ids=req.pending_accept,
@@ -324,13 +328,12 @@ class Engine:
         if ban_eos:
             idx = torch.tensor(ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")
-        if len(rows) != logits.shape[0]:
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        return sample(logits, samplers)
+        return sample(logits, samplers, rows)
 
     # --- outputs -------------------------------------------------------------
 
-    def _append(self, req: GenerationRequest, ids: list[int], *, sampled_token: bool) -> None:
+    def _append(self, req: GenerationRequest, ids: list[int], *, sampled_token: bool) -> int:
+        """Appends a step's tokens to a request and streams them; returns how many were appended."""
         room = req.options.max_tokens - req.num_output
         ids = ids[:room]
         req.all_ids.extend(ids)
@@ -339,10 +342,9 @@ class Engine:
         if not sampled_token:
             req.forced_tokens += len(ids)
             self.metrics.forced_tokens.inc(len(ids))
-        self.metrics.generation_tokens.labels(_label(req)).inc(len(ids))
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
-            self.metrics.ttft.labels(_label(req)).observe(req.first_token_at - req.arrival)
+            self.metrics.by_kind[req.constrained].ttft.observe(req.first_token_at - req.arrival)
         finish = None
         if sampled_token and ids[-1] in self.tok.eos_ids and not (req.options.ignore_eos and not req.constrained):
             finish = FinishReason.STOP
@@ -355,6 +357,7 @@ class Engine:
             req.outputs.put_nowait(Output(ids, delta.text))
         else:
             self._finish(req, finish, token_ids=ids, text=delta.text)
+        return len(ids)
 
     def _finish(self, req: GenerationRequest, reason: FinishReason | None, *, token_ids: list[int] | None = None,
                 text: str = "", error: BaseException | None = None) -> None:
@@ -367,13 +370,12 @@ class Engine:
             self.grammar.release(req.grammar_replica, req.session_id if req.session_open else None)
         if error is None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += req.text.finish()
-        label = _label(req)
-        finish_label = (reason or FinishReason.ERROR).value
-        self.metrics.requests.labels(label, finish_label).inc()
+        kind = self.metrics.by_kind[req.constrained]
+        kind.requests[(reason or FinishReason.ERROR).value].inc()
         now = time.monotonic()
-        self.metrics.e2e.labels(label).observe(now - req.arrival)
+        kind.e2e.observe(now - req.arrival)
         if req.first_token_at is not None and req.num_output > 1:
-            self.metrics.tpot.labels(label).observe((now - req.first_token_at) / (req.num_output - 1))
+            kind.tpot.observe((now - req.first_token_at) / (req.num_output - 1))
         req.outputs.put_nowait(Output(token_ids or [], text, reason, req.usage(), error))
 
     def _replica_lost(self, replica: int, results) -> None:
@@ -421,6 +423,3 @@ class Engine:
         self.metrics.waiting.set(len(self.scheduler.waiting) + len(self._compiling))
         self.metrics.kv_usage.set(self.runner.block_manager.usage_ratio)
 
-
-def _label(req: GenerationRequest) -> str:
-    return "true" if req.constrained else "false"

@@ -122,7 +122,10 @@ class PendingStep:
 
 
 class GrammarTier:
-    def __init__(self, targets: tuple[str, ...], tokenizer: TokenizerDescription, compile_timeout_seconds: float = 0.0):
+    def __init__(self, targets: tuple[str, ...], tokenizer: TokenizerDescription, compile_timeout_seconds: float = 0.0,
+                 *, write_sparse_rows: bool = True):
+        # False when masks are applied from their id lists (logits on the CPU): their bitmask rows stay unwritten.
+        self.write_sparse_rows = write_sparse_rows
         self._replicas: list[_Replica] = []
         # dns:///name:port is a set of replicas (a headless Service): one per address, re-resolved by maintain().
         self._dns_names = [t for t in targets if t.startswith(DNS_SCHEME)]
@@ -234,7 +237,7 @@ class GrammarTier:
         """(response, its masks' sparse forms, when decoded) for one replica's part of a step."""
         r = self._replicas[replica]
         if r.stream is None:
-            r.stream = r.client.open_stream(self.tokenizer.vocab_size)
+            r.stream = r.client.open_stream(self.tokenizer.vocab_size, write_sparse_rows=self.write_sparse_rows)
         stream = r.stream
         await stream.write(steps)
         resp = await asyncio.wait_for(stream.read(), STEP_TIMEOUT_SECONDS)

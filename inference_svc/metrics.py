@@ -75,7 +75,20 @@ class InferenceMetrics:
             registry=r)
         self.preemptions = Counter(
             "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
-        # Export both label values from the start, so dashboards and rates see zeros, not gaps.
-        for c in ("true", "false"):
-            for m in (self.ttft, self.tpot, self.e2e, self.generation_tokens):
-                m.labels(c)
+        # Children resolved once (a labels() lookup per token is measurable on the hot path); this also
+        # exports both label values from the start, so dashboards and rates see zeros, not gaps.
+        self.by_kind = {constrained: KindMetrics(self, "true" if constrained else "false")
+                        for constrained in (True, False)}
+
+
+class KindMetrics:
+    """The constrained="true" or "false" children of the labelled request metrics."""
+
+    FINISH_REASONS = ("stop", "length", "stop_string", "cancelled", "error")
+
+    def __init__(self, m: InferenceMetrics, label: str):
+        self.ttft = m.ttft.labels(label)
+        self.tpot = m.tpot.labels(label)
+        self.e2e = m.e2e.labels(label)
+        self.generation_tokens = m.generation_tokens.labels(label)
+        self.requests = {reason: m.requests.labels(label, reason) for reason in self.FINISH_REASONS}

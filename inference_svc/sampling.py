@@ -114,23 +114,33 @@ class RowSampler:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int]:
-    """One token id per row of float32 `logits` [n, V]; -inf entries are never drawn.
+def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence[int] | None = None) -> list[int]:
+    """One token id per sampler; rows[i] draws from logits[row_index[i]] (default: row i).
 
-    Every row needs at least one finite entry. `logits` is only read, never written.
+    float32 `logits` [n, V]; -inf entries are never drawn; every row drawn from
+    needs at least one finite entry. `logits` is only read, never written, and
+    rows nobody draws from are never copied.
     """
-    if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
+    index = list(range(len(rows))) if row_index is None else list(row_index)
+    if logits.dim() != 2 or len(index) != len(rows) or (index and not 0 <= min(index) <= max(index) < logits.shape[0]):
+        raise ValueError(f"logits [{', '.join(map(str, logits.shape))}] do not have the rows "
+                         f"{len(rows)} samplers draw from")
     out = [0] * len(rows)
     greedy = [i for i, r in enumerate(rows) if r.argmax_only]
     if greedy:
-        picked = logits if len(greedy) == len(rows) else logits[greedy]
-        for i, token in zip(greedy, _argmax_rows(picked)):
+        wanted = [index[i] for i in greedy]
+        if 2 * len(wanted) >= logits.shape[0]:
+            # An argmax over every row is cheaper than gathering most of them first.
+            best = _argmax_rows(logits)
+            picked = [best[j] for j in wanted]
+        else:
+            picked = _argmax_rows(logits[wanted])
+        for i, token in zip(greedy, picked):
             out[i] = token
     if len(greedy) < len(rows):
         for i, r in enumerate(rows):
             if not r.argmax_only:
-                out[i] = _sample_row(logits[i], r)
+                out[i] = _sample_row(logits[index[i]], r)
     return out
 
 

@@ -121,7 +121,8 @@ class InferenceServer:
                  "simulated" if c.simulate_step_ms else (c.model or "embedded default"))
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
         view = await asyncio.to_thread(tokenizer_view, tok, eos_ids)
-        self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds)
+        self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
+                                   write_sparse_rows=runner.device.type != "cpu")
         self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len)
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

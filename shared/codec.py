@@ -229,10 +229,13 @@ class MaskDecoder:
     step stream.
     """
 
-    def __init__(self, vocab_size: int, cache_slots: int = 0):
+    def __init__(self, vocab_size: int, cache_slots: int = 0, *, write_sparse_rows: bool = True):
+        """write_sparse_rows=False: a mask with a SparseMask form leaves its row unwritten (a caller that
+        applies every such mask from its id list, as the engine does on the CPU, saves setting its bits)."""
         self.vocab_size = vocab_size
         self.num_words = words_for_vocab(vocab_size)
         self._valid = MaskEncoder(vocab_size).valid
+        self.write_sparse_rows = write_sparse_rows
         self.cache_slots = cache_slots
         self._cache = np.zeros((cache_slots, self.num_words), dtype=np.uint32) if cache_slots else None
         self._sparse: list[SparseMask | None] = [None] * cache_slots
@@ -258,30 +261,35 @@ class MaskDecoder:
                 raise MaskDecodeError(f"dense mask has {len(value)} bytes, expected {self.num_words * 4}")
             np.bitwise_and(np.frombuffer(value, dtype=np.uint32), self._valid, out=row)
         elif field == ALLOWED:
-            row[:] = 0
             sparse = SparseMask(True, decode_ids(value, self.vocab_size))
-            self._set_bits(row, sparse.ids, 1)
+            if self.write_sparse_rows:
+                row[:] = 0
+                self._set_bits(row, sparse.ids, 1)
         elif field == DISALLOWED:
-            row[:] = self._valid
             sparse = SparseMask(False, decode_ids(value, self.vocab_size))
-            self._set_bits(row, sparse.ids, 0)
+            if self.write_sparse_rows:
+                row[:] = self._valid
+                self._set_bits(row, sparse.ids, 0)
         elif field == SAME_AS:
             if not 0 <= value < len(rows_so_far) or rows_so_far[value] is None:
                 raise MaskDecodeError(f"same_as_index {value} does not name an earlier mask")
-            row[:] = rows_so_far[value].view(np.uint32)[: self.num_words]
             if sparse_so_far is not None and value < len(sparse_so_far):
                 sparse = sparse_so_far[value]
+            if self.write_sparse_rows or sparse is None:
+                row[:] = rows_so_far[value].view(np.uint32)[: self.num_words]
         elif field == CACHED:
             if not 0 <= value < self.cache_slots:
                 raise MaskDecodeError(f"cached_slot {value} is outside this stream's {self.cache_slots} slots")
-            row[:] = self._cache[value]
             sparse = self._sparse[value]
+            if self.write_sparse_rows or sparse is None:
+                row[:] = self._cache[value]
         else:
             raise MaskDecodeError(f"mask has no encoding set ({field!r})")
         if store_slot is not None:
             if not 0 <= store_slot < self.cache_slots:
                 raise MaskDecodeError(f"store_slot {store_slot} is outside this stream's {self.cache_slots} slots")
-            self._cache[store_slot] = row
+            if self.write_sparse_rows or sparse is None:
+                self._cache[store_slot] = row
             self._sparse[store_slot] = sparse
         return sparse
 

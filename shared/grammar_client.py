@@ -26,11 +26,11 @@ class StepStream:
     in order, with `self.decoder` (one per stream).
     """
 
-    def __init__(self, call, vocab_size: int, mask_cache_slots: int):
+    def __init__(self, call, vocab_size: int, mask_cache_slots: int, write_sparse_rows: bool = True):
         self._call = call
         self._next_step_id = 0
         self.mask_cache_slots = mask_cache_slots
-        self.decoder = MaskDecoder(vocab_size, mask_cache_slots)
+        self.decoder = MaskDecoder(vocab_size, mask_cache_slots, write_sparse_rows=write_sparse_rows)
 
     async def write(self, sessions: Sequence[pb.SessionStep]) -> int:
         self._next_step_id += 1
@@ -83,8 +83,10 @@ class GrammarClient:
             pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds),
             timeout=rpc_timeout)
 
-    def open_stream(self, vocab_size: int, mask_cache_slots: int = DEFAULT_MASK_CACHE_SLOTS) -> StepStream:
-        return StepStream(self.stub.Step(), vocab_size, mask_cache_slots)
+    def open_stream(self, vocab_size: int, mask_cache_slots: int = DEFAULT_MASK_CACHE_SLOTS,
+                    write_sparse_rows: bool = True) -> StepStream:
+        """A step stream; write_sparse_rows=False: see MaskDecoder (the caller applies id lists itself)."""
+        return StepStream(self.stub.Step(), vocab_size, mask_cache_slots, write_sparse_rows)
 
     async def close(self) -> None:
         await self.channel.close()

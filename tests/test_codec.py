@@ -378,11 +378,13 @@ def test_stream_mask_cache_round_trip(case):
 
 
 @SETTINGS
-@given(streams())
-def test_sparse_forms_describe_the_decoded_rows(case):
-    """Every SparseMask the decoder hands out (direct, same_as or cached) allows exactly the row's tokens."""
+@given(streams(), st.booleans())
+def test_sparse_forms_describe_the_decoded_rows(case, write_sparse_rows):
+    """Every SparseMask the decoder hands out (direct, same_as or cached) allows exactly the row's tokens;
+    rows without one are decoded right even when rows with one are left unwritten."""
     vocab, slots, messages = case
-    enc, cache, dec = MaskEncoder(vocab), StreamMaskCache(slots), MaskDecoder(vocab, slots)
+    enc, cache = MaskEncoder(vocab), StreamMaskCache(slots)
+    dec = MaskDecoder(vocab, slots, write_sparse_rows=write_sparse_rows)
     for rows in messages:
         wire = _server_side(enc, cache, rows)
         out = np.zeros_like(rows)
@@ -391,11 +393,14 @@ def test_sparse_forms_describe_the_decoded_rows(case):
         for i, w in enumerate(wire):
             forms.append(dec.decode_into(w.field, w.value, out[i], done, w.store_slot, forms))
             done.append(out[i])
-        for row, w, form in zip(rows, wire, forms):
+        for row, got, w, form in zip(rows, out, wire, forms):
             allowed = allowed_ids(row, vocab)
             if form is None:
                 assert w.field in (DENSE, SAME_AS, CACHED)
+                np.testing.assert_array_equal(got, row)
                 continue
+            if write_sparse_rows:
+                np.testing.assert_array_equal(got, row)
             expected = allowed if form.allow else np.setdiff1d(np.arange(vocab), allowed)
             np.testing.assert_array_equal(form.ids, expected)
 

@@ -320,10 +320,25 @@ def test_logits_are_not_modified():
 
 
 def test_shape_must_match_rows():
-    with pytest.raises(ValueError, match=r"logits must be \[2, vocab\]"):
-        sample(torch.zeros(3, 10), [row(), row()])
+    with pytest.raises(ValueError, match="do not have the rows 2 samplers draw from"):
+        sample(torch.zeros(1, 10), [row(), row()])
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3, 10), [row(), row()], [0, 3])
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3, 10), [row(), row()], [0])
     with pytest.raises(ValueError):
         sample(torch.zeros(10), [row()])
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, id="greedy"), pytest.param(1.0, id="sampled")])
+def test_row_index_draws_from_the_named_rows_without_copying_the_rest(temperature):
+    """The engine skips jump-forwarded rows by index: same tokens as drawing from the gathered rows."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    picked = [4, 1, 3]
+    opts = dict(temperature=temperature, seed=11)
+    by_index = sample(logits, [row(**opts) for _ in picked], picked)
+    gathered = sample(logits[picked], [row(**opts) for _ in picked])
+    assert by_index == gathered
 
 
 def test_torch_paths_agree_with_the_numpy_fast_paths():
