@@ -238,7 +238,13 @@ class Engine:
             pending = self.grammar.send(rows, self._bitmask_np)
 
         started = time.perf_counter()
-        logits = await loop.run_in_executor(self._executor, self.runner.forward, step.batch)
+        try:
+            logits = await loop.run_in_executor(self._executor, self.runner.forward, step.batch)
+        except Exception:
+            if pending is not None:
+                # Its tasks write into the bitmask: let them finish before the next step reuses the rows.
+                await asyncio.gather(pending.receive(), return_exceptions=True)
+            raise
         forward_done = time.perf_counter()
         self.scheduler.commit(step)
         self.metrics.forward_duration.observe(forward_done - started)
