@@ -23,7 +23,10 @@ from grammar_svc.server import GrammarServer
 from shared.service_thread import ServiceThread
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+# Reference data lives beside the working checkout (../shared/data); a clone made elsewhere on the same
+# machine (CI's clean clone) finds it through STRUCTD_SHARED_DATA or the workspace's fixed location.
+SHARED_DATA_CANDIDATES = [Path(p) for p in (os.environ.get("STRUCTD_SHARED_DATA"),) if p] + [
+    REPO.parent / "shared" / "data", Path("/work/shared/data")]
 IN_CI = os.environ.get("STRUCTD_CI") == "1"
 
 
@@ -39,9 +42,9 @@ def require_tool(name: str) -> str:
 
 
 def shared_data(name: str) -> Path:
-    path = SHARED_DATA / name
+    path = next((d / name for d in SHARED_DATA_CANDIDATES if (d / name).is_file()), SHARED_DATA_CANDIDATES[0] / name)
     if not path.is_file():
-        msg = f"reference data {path} is missing"
+        msg = f"reference data {name} is missing (looked in {', '.join(map(str, SHARED_DATA_CANDIDATES))})"
         if IN_CI:
             pytest.fail(msg)
         pytest.skip(msg)

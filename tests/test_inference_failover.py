@@ -9,6 +9,7 @@ where the old one stopped.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -78,5 +79,14 @@ def test_dns_target_stands_for_every_address(replicas):
     from shared.tokenizer import default_description
 
     port = replicas[0].target.rsplit(":", 1)[1]
-    tier = GrammarTier((f"dns:///localhost:{port}",), default_description())
-    assert f"127.0.0.1:{port}" in tier.targets
+
+    async def targets():
+        # grpc.aio channels belong to an event loop: build the tier on one, as the server does.
+        tier = GrammarTier((f"dns:///localhost:{port}",), default_description())
+        try:
+            assert await tier.connect() >= 1
+            return tier.targets
+        finally:
+            await tier.close()
+
+    assert f"127.0.0.1:{port}" in asyncio.run(targets())
