@@ -329,12 +329,19 @@ class Engine:
     @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
     def _mask_and_sample(self, logits: torch.Tensor, masked: list[tuple[int, SparseMask | None]],
                          ban_eos: list[int], rows: list[int], samplers: list[RowSampler]) -> list[int]:
+        candidates = None
+        if masked and logits.device.type == "cpu":
+            # Allowed-id lists need no masking at all: the sampler reads just those logits.
+            allow = {i: form.ids for i, form in masked if form is not None and form.allow}
+            if allow:
+                candidates = [allow.get(i) for i in rows]
+                masked = [(i, form) for i, form in masked if i not in allow]
         if masked:
             apply_masks(logits, masked, self._bitmask_host, self._bitmask_dev, self.tok_vocab_size)
         if ban_eos:
             idx = torch.tensor(ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")
-        return sample(logits, samplers, rows)
+        return sample(logits, samplers, rows, candidates)
 
     # --- outputs -------------------------------------------------------------
 

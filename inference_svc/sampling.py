@@ -114,19 +114,33 @@ class RowSampler:
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence[int] | None = None) -> list[int]:
+def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence[int] | None = None,
+           candidates: Sequence[np.ndarray | None] | None = None) -> list[int]:
     """One token id per sampler; rows[i] draws from logits[row_index[i]] (default: row i).
 
     float32 `logits` [n, V]; -inf entries are never drawn; every row drawn from
     needs at least one finite entry. `logits` is only read, never written, and
-    rows nobody draws from are never copied.
+    rows nobody draws from are never copied. candidates[i], when given, is the
+    sorted int64 array of the only token ids rows[i] may draw (a grammar mask
+    that came as an allowed-id list): the draw reads just those logits, which is
+    the masked row's distribution (same order, same single uniform) at a
+    fraction of the cost of masking and normalising 129k entries.
     """
     index = list(range(len(rows))) if row_index is None else list(row_index)
     if logits.dim() != 2 or len(index) != len(rows) or (index and not 0 <= min(index) <= max(index) < logits.shape[0]):
         raise ValueError(f"logits [{', '.join(map(str, logits.shape))}] do not have the rows "
                          f"{len(rows)} samplers draw from")
     out = [0] * len(rows)
-    greedy = [i for i, r in enumerate(rows) if r.argmax_only]
+    subset = [False] * len(rows)
+    if candidates is not None:
+        for i, ids in enumerate(candidates):
+            if ids is None:
+                continue
+            subset[i] = True
+            sub = logits[index[i]].index_select(0, torch.from_numpy(ids).to(logits.device))
+            pos = int(sub.argmax()) if rows[i].argmax_only else _sample_row(sub, rows[i])
+            out[i] = int(ids[pos])
+    greedy = [i for i, r in enumerate(rows) if r.argmax_only and not subset[i]]
     if greedy:
         wanted = [index[i] for i in greedy]
         if 2 * len(wanted) >= logits.shape[0]:
@@ -137,10 +151,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence
             picked = _argmax_rows(logits[wanted])
         for i, token in zip(greedy, picked):
             out[i] = token
-    if len(greedy) < len(rows):
-        for i, r in enumerate(rows):
-            if not r.argmax_only:
-                out[i] = _sample_row(logits[index[i]], r)
+    for i, r in enumerate(rows):
+        if not r.argmax_only and not subset[i]:
+            out[i] = _sample_row(logits[index[i]], r)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -351,3 +352,28 @@ def test_torch_paths_agree_with_the_numpy_fast_paths():
     fast, fallback = [row(**s) for s in specs], [row(**s) for s in specs]
     for _ in range(200):
         assert sample(x, fast) == sample(x.double(), fallback)
+
+
+@pytest.mark.parametrize("opts", [
+    pytest.param(dict(temperature=0.0), id="greedy"),
+    pytest.param(dict(temperature=1.0, seed=3), id="sampled"),
+    pytest.param(dict(temperature=0.8, top_k=5, seed=4), id="top-k"),
+    pytest.param(dict(temperature=0.8, top_p=0.7, seed=5), id="top-p"),
+])
+def test_candidates_draw_like_the_masked_row(opts):
+    """An allowed-id list instead of a mask: the same distribution; ids outside it never come out."""
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 500, generator=gen)
+    rng = np.random.default_rng(0)
+    cands = [np.sort(rng.choice(500, size=k, replace=False)).astype(np.int64) for k in (1, 7, 40, 300)]
+    masked = torch.full_like(logits, float("-inf"))
+    for i, ids in enumerate(cands):
+        masked[i, torch.from_numpy(ids)] = logits[i, torch.from_numpy(ids)]
+    for _ in range(5):  # several draws from the same generators
+        samplers_a = [row(**opts) for _ in cands]
+        samplers_b = [row(**opts) for _ in cands]
+        with_candidates = sample(logits, samplers_a, candidates=cands)
+        with_mask = sample(masked, samplers_b)
+        assert all(t in ids for t, ids in zip(with_candidates, cands))
+        if opts["temperature"] == 0.0 or "seed" in opts:
+            assert with_candidates == with_mask
