@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 from dataclasses import dataclass
 from typing import Callable

@@ -7,21 +7,55 @@ cheap rows). Rows are therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
 (xgrammar releases the GIL while filling). Every row is timed for the
-mask-fill histogram; rows the client has cached are not encoded at all.
+mask-fill histogram; rows the client has cached are not encoded at all, and
+rows encoded recently are not encoded again (_EncodeMemo).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import xgrammar as xgr
 
 from grammar_svc.session import GrammarSession
-from shared.codec import MaskEncoder, StreamMaskCache
+from shared.codec import EncodedMask, MaskEncoder, StreamMaskCache
 
 # A row whose last fill took longer than this is filled on a helper thread.
 SLOW_ROW_SECONDS = 250e-6
+# Encodings remembered across steps and streams (each key is a row: 16 KB at 129k tokens, so 8 MB).
+ENCODE_MEMO_ENTRIES = 512
+
+
+class _EncodeMemo:
+    """Recently encoded rows -> their wire form.
+
+    Encoding (popcount, id extraction, varints) costs far more than xgrammar's
+    fill of a typical row, and the same masks recur: within a step (the rows
+    that become same_as references) and across steps and streams (every JSON
+    string interior, every separator). The stream mask cache only spares rows
+    the client stored, and only large ones.
+    """
+
+    def __init__(self, entries: int):
+        self._entries = entries
+        self._memo: OrderedDict[tuple[int, bytes], EncodedMask] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def encode(self, key: bytes, row, encoder: MaskEncoder) -> EncodedMask:
+        memo_key = (encoder.vocab_size, key)
+        with self._lock:
+            enc = self._memo.get(memo_key)
+            if enc is not None:
+                self._memo.move_to_end(memo_key)
+                return enc
+        enc = encoder.encode_row(row)
+        with self._lock:
+            self._memo[memo_key] = enc
+            if len(self._memo) > self._entries:
+                self._memo.popitem(last=False)
+        return enc
 
 
 class _Buffers(threading.local):
@@ -43,6 +77,7 @@ class MaskFiller:
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="structd-fill")
         self._encoders: dict[int, MaskEncoder] = {}
         self._buffers = _Buffers()
+        self._memo = _EncodeMemo(ENCODE_MEMO_ENTRIES)
 
     def encoder(self, vocab_size: int) -> MaskEncoder:
         enc = self._encoders.get(vocab_size)
@@ -83,7 +118,7 @@ class MaskFiller:
             key = row.tobytes()
             # The stream cache is only read here (writes happen afterwards,
             # under the same stream lock): a cached row needs no encoding.
-            enc = None if cache is not None and cache.lookup(key) is not None else encoder.encode_row(row)
+            enc = None if cache is not None and cache.lookup(key) is not None else self._memo.encode(key, row, encoder)
             out.append((index, key, enc, encoder, session.last_fill_seconds))
         return out
 

@@ -9,7 +9,6 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 
 from grammar_svc.backend import GrammarBackend
 from grammar_svc.mask_filler import MaskFiller
