@@ -79,7 +79,7 @@ def run_up(args: argparse.Namespace) -> int:
                   f"http://{args.host}:{args.grammar_metrics_port + i}/metrics", flush=True)
         print(f"inference service: grpc {inference_target}  metrics http://{args.host}:{args.metrics_port}/metrics",
               flush=True)
-        print(f"try: structd generate --target {inference_target} --json-object 'A JSON object:'", flush=True)
+        print(f"try: structd generate --target {inference_target} --regex '[a-z]{{3}}-[0-9]{{3}}' 'A code:'", flush=True)
         print("all services SERVING; Ctrl-C to stop", flush=True)
         while not stop.is_set():
             if any(p.poll() is not None for _, p in procs):
