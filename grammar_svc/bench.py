@@ -118,7 +118,7 @@ def run_bench(args) -> int:
             from grammar_svc.bench_server import histogram_from_metrics
 
             try:
-                text = server.scrape_metrics()
+                text = server.metrics_text()
                 result["server_metrics"] = {
                     name: histogram_from_metrics(text, name)
                     for name in ("grammar_svc_mask_fill_duration_seconds", "grammar_svc_step_duration_seconds")}

@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from inference_svc.bench_e2e_workload import SCHEMAS, Work, work
+from shared.child_service import ChildService
 from shared.service_thread import ServiceThread
 
 REPO = Path(__file__).resolve().parent.parent
@@ -133,75 +132,6 @@ class InProcessService(ServiceThread):
         from prometheus_client import generate_latest
 
         return generate_latest(self.server.metrics.registry).decode("utf-8")
-
-
-class ChildService:
-    """A `python -m shared.cli <service>` child on port 0; the port comes from its 'listening on' line."""
-
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 600.0):
-        import os
-
-        from grammar_svc.bench_server import free_port
-
-        self.metrics_port = free_port()
-        self.cmd = [sys.executable, "-m", "shared.cli", *args, "--host", "127.0.0.1", "--port", "0",
-                    "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", "--grace-seconds", "1"]
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - open for the child's lifetime, closed in stop()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log,
-                                     stdin=subprocess.DEVNULL)
-        found: list[str] = []
-        pattern = re.compile(r"listening on (\S+):(\d+)")
-
-        def reader():
-            for raw in self.proc.stdout:
-                self._log.write(raw)
-                self._log.flush()
-                m = pattern.search(raw.decode("utf-8", "replace"))
-                if m and not found:
-                    found.append(f"{m.group(1)}:{m.group(2)}")
-
-        threading.Thread(target=reader, daemon=True, name=f"{args[0]}-stdout").start()
-        deadline = time.monotonic() + timeout
-        while not found:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{args[0]} service exited with {self.proc.returncode} before listening; "
-                                 f"see {log_path}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"{args[0]} service did not start within {timeout:g} s; see {log_path}")
-            time.sleep(0.05)
-        self.target = found[0]
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the service process so far (its compile workers not included)."""
-        import os
-
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return None
-
-    def metrics_text(self) -> str:
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:
-            return r.read().decode("utf-8")
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self._log.close()
 
 
 def start_grammar(args, out: Path):
