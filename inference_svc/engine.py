@@ -29,6 +29,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from inference_svc.config import EngineConfig
@@ -48,11 +49,11 @@ log = logging.getLogger(__name__)
 
 # Times one request may move to another grammar replica before it fails.
 MAX_REPLAYS = 3
-_NOT_FOUND = 5  # google.rpc.Code
-
+# SessionResult.error_code is a google.rpc.Code: grpc.StatusCode's number.
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 _GRAMMAR_ERROR_CODES = {
-    8: errors.LimitExceededError,  # RESOURCE_EXHAUSTED: the replica's session limit
-    3: errors.InvalidRequestError,  # INVALID_ARGUMENT
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: errors.LimitExceededError,  # the replica's session limit
+    grpc.StatusCode.INVALID_ARGUMENT.value[0]: errors.InvalidRequestError,
 }
 
 
@@ -329,19 +330,13 @@ class Engine:
     @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
     def _mask_and_sample(self, logits: torch.Tensor, masked: list[tuple[int, SparseMask | None]],
                          ban_eos: list[int], rows: list[int], samplers: list[RowSampler]) -> list[int]:
-        candidates = None
-        if masked and logits.device.type == "cpu":
-            # Allowed-id lists need no masking at all: the sampler reads just those logits.
-            allow = {i: form.ids for i, form in masked if form is not None and form.allow}
-            if allow:
-                candidates = [allow.get(i) for i in rows]
-                masked = [(i, form) for i, form in masked if i not in allow]
+        restrict = {}
         if masked:
-            apply_masks(logits, masked, self._bitmask_host, self._bitmask_dev, self.tok_vocab_size)
+            restrict = apply_masks(logits, masked, self._bitmask_host, self._bitmask_dev, self.tok_vocab_size)
         if ban_eos:
             idx = torch.tensor(ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")
-        return sample(logits, samplers, rows, candidates)
+        return sample(logits, samplers, rows, [restrict.get(i) for i in rows] if restrict else None)
 
     # --- outputs -------------------------------------------------------------
 

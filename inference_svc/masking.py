@@ -1,12 +1,13 @@
-"""Grammar masks onto logits: disallowed tokens to -inf, right before sampling.
+"""Grammar masks onto logits, right before sampling: the one place that decides how each mask is honoured.
 
 On a GPU one xgrammar bitmask kernel does every constrained row. On the CPU
-that kernel expands 129k bits per row (~0.2 ms a row, measured here: 6.5 ms
-for 32 rows), more than the rest of a step's sampling; but almost every mask
-arrives as an id list (the allowed tokens after `{"`, the few disallowed ones
-inside a string: see shared/codec.SparseMask), and writing -inf at those ids
-costs microseconds. So on the CPU id lists are written directly, and the few
-dense masks are expanded with numpy.
+that kernel expands 129k bits per row (an ad-hoc timing here: ~0.2 ms a row,
+6.5 ms for 32 rows), more than the rest of a step's sampling; but almost every
+mask arrives as an id list (the allowed tokens after `{"`, the few disallowed
+ones inside a string: see shared/codec.SparseMask). So on the CPU a list of
+allowed ids is not applied at all (the sampler reads just those logits), a
+list of disallowed ids is written as -inf at its ids, and only the few dense
+masks are expanded, with numpy.
 
 Not xgrammar's CPU kernel even for those: in 0.2.8 it writes one element
 past each masked row when the row width is not a multiple of 32 (the first
@@ -28,20 +29,21 @@ NEG_INF = float("-inf")
 
 
 def apply_masks(logits: torch.Tensor, masked: Sequence[tuple[int, SparseMask | None]], bitmask_host: torch.Tensor,
-                bitmask_dev: torch.Tensor, vocab_size: int) -> None:
-    """Masks logits rows in place.
+                bitmask_dev: torch.Tensor, vocab_size: int) -> dict[int, np.ndarray]:
+    """Masks logits rows in place; returns {row: allowed ids} for rows left to the sampler to restrict.
 
     masked: (row, sparse form or None) per constrained row; every row's packed
-    mask is also in bitmask_host (int32 [rows, words], decoded from the wire);
-    bitmask_dev is the same on the logits' device (the same tensor on the CPU).
-    vocab_size is the tokenizer's: logits columns past it (a padded model
-    vocabulary) are never grammatical.
+    mask is also in bitmask_host (int32 [rows, words], decoded from the wire;
+    on the CPU rows of id-list masks may be left unwritten, see
+    MaskDecoder(write_sparse_rows=False)); bitmask_dev is the same on the
+    logits' device (the same tensor on the CPU). vocab_size is the tokenizer's:
+    logits columns past it (a padded model vocabulary) are never grammatical.
     """
     n = logits.shape[0]
     if logits.device.type != "cpu":
         bitmask_dev[:n].copy_(bitmask_host[:n], non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask_dev[:n], indices=[i for i, _ in masked])
-        return
+        return {}
     dense = [i for i, form in masked if form is None]
     if dense:
         width = logits.shape[1]
@@ -50,15 +52,9 @@ def apply_masks(logits: torch.Tensor, masked: Sequence[tuple[int, SparseMask | N
         rows = torch.tensor(dense)
         logits[rows] = logits[rows].masked_fill_(~allowed, NEG_INF)
     for i, form in masked:
-        if form is None:
-            continue
-        row = logits[i]
-        ids = torch.from_numpy(form.ids)
-        if form.allow:
-            kept = row.index_select(0, ids)
-            row.fill_(NEG_INF)
-            row.index_copy_(0, ids, kept)
-        else:
-            row.index_fill_(0, ids, NEG_INF)
+        if form is not None and not form.allow:
+            row = logits[i]
+            row.index_fill_(0, torch.from_numpy(form.ids), NEG_INF)
             if row.shape[0] > vocab_size:
                 row[vocab_size:] = NEG_INF
+    return {i: form.ids for i, form in masked if form is not None and form.allow}

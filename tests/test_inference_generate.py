@@ -105,10 +105,10 @@ def test_jump_forward_appends_forced_tokens(inference_client):
     out = inference_client.complete("P:", json_schema=POINT, max_tokens=64)
     assert out.finish_reason == "stop"
     assert out.usage.forced_tokens > 0
+    jsonschema.validate(json.loads(out.text), POINT)
     off = inference_client.complete("P:", json_schema=POINT, max_tokens=64, disable_jump_forward=True)
     assert off.usage.forced_tokens == 0
-    # Forced or sampled, the tokens spell what the grammar forces: the same greedy text.
-    assert json.loads(off.text).keys() == json.loads(out.text).keys()
+    jsonschema.validate(json.loads(off.text), POINT)
 
 
 def test_mixed_batch_of_constrained_and_unconstrained(inference_client):
