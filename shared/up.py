@@ -1,9 +1,18 @@
-"""`structd up`: run the grammar replica(s) and the inference service locally as child processes until SIGINT/SIGTERM.
+"""`structd up`: run the grammar replica(s) and the inference service locally as supervised child processes.
 
 Each service runs as its own `structd <service>` process, exactly as it would
 in a container. Once every one reports SERVING on grpc.health.v1, `up` prints
-where they listen; on SIGINT/SIGTERM it forwards SIGTERM (graceful drain) and
-waits for all of them.
+where they listen (and each child's pid). From then on it supervises them as
+a process manager would: a child that exits, whatever its exit code, is
+started again with the same command line (so on the same ports) after an
+exponential back-off, and one line says which service exited, how, and when
+it comes back. A restarted grammar replica rejoins by itself: the inference
+service's grammar tier hands it the tokenizer again (`GrammarTier.maintain`).
+On SIGINT/SIGTERM/SIGHUP `up` forwards SIGTERM (graceful drain) to the inference
+service first, waits for it, then to the grammar replicas.
+
+A child that fails during the first start-up is a configuration error, not a
+crash: `up` stops everything and exits 1 instead of retrying it forever.
 """
 
 from __future__ import annotations
@@ -14,26 +23,40 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STARTUP_TIMEOUT_SECONDS = 600.0
+INITIAL_BACKOFF_SECONDS = 0.5
+MAX_BACKOFF_SECONDS = 30.0
+# A child that stayed up this long had a real run rather than a start-up failure, so its next restart
+# starts again from the initial back-off; a child that keeps failing soon after start keeps doubling it.
+STABLE_SECONDS = 30.0
+# How often the supervisor looks at its children; the cost of a look is one waitpid per child.
+POLL_SECONDS = 0.2
+# The inference service drains in-flight requests for its grace period (10 s by default) before it exits.
+STOP_TIMEOUT_SECONDS = 30.0
 
 
-def wait_serving(target: str, proc: subprocess.Popen, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
-    """Blocks until target answers SERVING; fails early if proc exits."""
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = STARTUP_TIMEOUT_SECONDS,
+                 stop: threading.Event | None = None) -> bool:
+    """Blocks until target answers SERVING (True) or stop is set (False); fails early if proc exits."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                return False
             if proc.poll() is not None:
                 raise RuntimeError(f"service for {target} exited with code {proc.returncode} during start-up")
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    return True
             except grpc.RpcError:
-                pass
+                pass  # the child's: not listening yet, or still loading; polled again until the deadline
             time.sleep(0.2)
     raise TimeoutError(f"{target} did not become SERVING within {timeout:.0f} s")
 
@@ -52,52 +75,201 @@ def inference_command(args: argparse.Namespace, grammar_targets: list[str]) -> l
     return cmd
 
 
+def describe_exit(returncode: int | None) -> str:
+    """'code 1', 'code -9 (SIGKILL)', or why there was no process at all."""
+    if returncode is None:
+        return "no exit code (it could not be started)"
+    if returncode < 0:
+        try:
+            return f"code {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"code {returncode}"
+    return f"code {returncode}"
+
+
+class Backoff:
+    """Exponential back-off: initial, doubling up to maximum; reset() goes back to initial."""
+
+    def __init__(self, initial: float = INITIAL_BACKOFF_SECONDS, maximum: float = MAX_BACKOFF_SECONDS):
+        if initial <= 0 or maximum < initial:
+            raise ValueError("back-off needs 0 < initial <= maximum")
+        self.initial = initial
+        self.maximum = maximum
+        self._next = initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self.maximum, self._next * 2)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+
+@dataclass
+class Child:
+    """One supervised service: how to start it, and where it is in its life."""
+
+    name: str  # "grammar replica 1", "inference service"
+    target: str  # its gRPC address, for health checks
+    command: list[str]
+    backoff: Backoff = field(default_factory=Backoff)
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while a back-off runs: when to start it again
+    restarts: int = 0
+
+    def start(self) -> None:
+        # Its own process group: a terminal's Ctrl-C reaches `up` alone, which then stops the services in
+        # order (inference first) instead of all of them draining at once.
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, process_group=0)
+        self.started_at = time.monotonic()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Restarts children that exit, with back-off; stops them all, inference first, on request."""
+
+    def __init__(self, grammar: list[Child], inference: Child | None, stop: threading.Event, *,
+                 stable_seconds: float = STABLE_SECONDS, stop_timeout: float = STOP_TIMEOUT_SECONDS,
+                 startup_timeout: float = STARTUP_TIMEOUT_SECONDS, out: TextIO | None = None):
+        self.grammar = grammar
+        self.inference = inference
+        self.stop = stop
+        self.stable_seconds = stable_seconds
+        self.stop_timeout = stop_timeout
+        self.startup_timeout = startup_timeout
+        self.out = out or sys.stdout
+        self._watchers: list[threading.Thread] = []
+
+    @property
+    def children(self) -> list[Child]:
+        return self.grammar + ([self.inference] if self.inference is not None else [])
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def run(self) -> None:
+        """Supervises until stop is set."""
+        while not self.stop.is_set():
+            self.tick(time.monotonic())
+            self.stop.wait(POLL_SECONDS)
+
+    def tick(self, now: float) -> None:
+        """One look at every child: schedules the restart of one that exited, starts one whose back-off is over."""
+        for c in self.children:
+            if self.stop.is_set():
+                return  # stop_all() takes over; a child that exits now is not restarted
+            if c.restart_at is None:
+                if c.proc is not None and c.proc.poll() is None:
+                    continue
+                self._exited(c, now)
+            elif now >= c.restart_at:
+                self._restart(c)
+
+    def _exited(self, c: Child, now: float) -> None:
+        code = c.proc.returncode if c.proc is not None else None
+        uptime = now - c.started_at
+        if uptime >= self.stable_seconds:
+            c.backoff.reset()
+        delay = c.backoff.next()
+        c.restart_at = now + delay
+        c.restarts += 1
+        self.say(f"{c.name} (pid {c.pid}) exited with {describe_exit(code)} after {uptime:.1f} s; "
+                 f"restart {c.restarts} in {delay:g} s on {c.target}")
+
+    def _restart(self, c: Child) -> None:
+        c.restart_at = None
+        try:
+            c.start()
+        except OSError as e:
+            # The machine's (no memory, no process slots): counted as an exit, so the back-off grows.
+            self.say(f"{c.name} could not be started: {e}")
+            c.proc = None
+            c.started_at = time.monotonic()
+            return
+        proc = c.proc
+        watcher = threading.Thread(target=self._announce, args=(c, proc), daemon=True,
+                                   name=f"up-watch-{c.name}")
+        self._watchers = [w for w in self._watchers if w.is_alive()] + [watcher]
+        watcher.start()
+
+    def _announce(self, c: Child, proc: subprocess.Popen) -> None:
+        """Says when a restarted child serves again (the loop in run() never blocks on a start-up)."""
+        try:
+            if wait_serving(c.target, proc, self.startup_timeout, self.stop):
+                self.say(f"{c.name} SERVING again on {c.target} (pid {proc.pid})")
+        except RuntimeError:
+            pass  # the child's: it exited during start-up; run() reports the exit and backs off further
+        except TimeoutError as e:
+            self.say(f"warning: {c.name}: {e}")
+
+    def stop_all(self) -> None:
+        """SIGTERM to the inference service and wait (it drains while the grammar tier still answers), then
+        to the grammar replicas; a child that outlives stop_timeout is killed."""
+        for group in ([self.inference] if self.inference is not None else [], self.grammar):
+            procs = [c.proc for c in group if c.proc is not None]
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
+        for w in self._watchers:
+            w.join(timeout=5)
+
+
 def run_up(args: argparse.Namespace) -> int:
     if args.grammar_replicas < 1:
         print("error: --grammar-replicas must be at least 1", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: the children are in their own process groups, so a closed terminal reaches only `up`.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
-    procs: list[tuple[str, subprocess.Popen]] = []
+    grammar = [Child(f"grammar replica {i + 1}", f"{args.host}:{args.grammar_port + i}",
+                     grammar_command(args.host, args.grammar_port + i, args.grammar_metrics_port + i, args.log_level))
+               for i in range(args.grammar_replicas)]
+    inference_target = f"{args.host}:{args.port}"
+    inference = Child("inference service", inference_target,
+                      inference_command(args, [c.target for c in grammar]))
+    sup = Supervisor(grammar, None, stop)
     try:
-        for i in range(args.grammar_replicas):
-            port, mport = args.grammar_port + i, args.grammar_metrics_port + i
-            procs.append((f"{args.host}:{port}",
-                          subprocess.Popen(grammar_command(args.host, port, mport, args.log_level))))
-        for i, (target, proc) in enumerate(procs):
-            print(f"starting grammar replica {i + 1}/{len(procs)} on {target} ...", flush=True)
-            wait_serving(target, proc)
-        grammar_targets = [target for target, _ in procs]
-        inference_target = f"{args.host}:{args.port}"
+        for c in grammar:
+            c.start()
+        for i, c in enumerate(grammar):
+            print(f"starting grammar replica {i + 1}/{len(grammar)} on {c.target} ...", flush=True)
+            if not wait_serving(c.target, c.proc, stop=stop):
+                return 0
         print(f"starting inference service on {inference_target} (loads the model; the embedded one is built "
               "on first use) ...", flush=True)
-        procs.append((inference_target, subprocess.Popen(inference_command(args, grammar_targets))))
-        wait_serving(inference_target, procs[-1][1])
-        for i, target in enumerate(grammar_targets):
-            print(f"grammar replica {i + 1}: grpc {target}  metrics "
-                  f"http://{args.host}:{args.grammar_metrics_port + i}/metrics", flush=True)
-        print(f"inference service: grpc {inference_target}  metrics http://{args.host}:{args.metrics_port}/metrics",
-              flush=True)
+        inference.start()
+        sup.inference = inference
+        if not wait_serving(inference_target, inference.proc, stop=stop):
+            return 0
+        for i, c in enumerate(grammar):
+            print(f"grammar replica {i + 1}: grpc {c.target}  metrics "
+                  f"http://{args.host}:{args.grammar_metrics_port + i}/metrics  pid {c.pid}", flush=True)
+        print(f"inference service: grpc {inference_target}  metrics http://{args.host}:{args.metrics_port}/metrics  "
+              f"pid {inference.pid}", flush=True)
         print(f"try: structd generate --target {inference_target} --regex '[a-z]{{3}}-[0-9]{{3}}' 'A code:'", flush=True)
-        print("all services SERVING; Ctrl-C to stop", flush=True)
-        while not stop.is_set():
-            if any(p.poll() is not None for _, p in procs):
-                print("error: a service exited; stopping the others", file=sys.stderr)
-                return 1
-            stop.wait(0.5)
+        print("all services SERVING; a service that exits is restarted; Ctrl-C to stop", flush=True)
+        sup.run()
         return 0
     except (RuntimeError, TimeoutError) as e:
+        # A child's, during the first start-up (bad flags, port taken, model missing): reported, not retried.
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        # Inference first: it drains its requests while the grammar tier still answers.
-        for _, p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for _, p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        sup.stop_all()
         print("stopped", flush=True)

@@ -1,0 +1,218 @@
+"""`structd up` supervises its services like a process manager (issue 8, item 5).
+
+The back-off policy on its own (a child that fails at start-up keeps backing
+off, one that ran a while starts again from the initial delay), then one real
+`structd up --grammar-replicas 2`, started once for the module: a grammar
+replica SIGKILLed mid-generation is restarted on its port and rejoins while the
+request goes on elsewhere; the inference service SIGKILLed is restarted;
+SIGINT still stops everything and exits 0.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
+
+from shared.inference_client import InferenceClient
+from shared.up import Backoff, Child, Supervisor, describe_exit
+from tests.test_cli import PYTHON, Proc, children_of, free_ports, health, running, serving
+
+RESTART_TIMEOUT = 120.0  # bounds a broken run: a grammar replica starts in ~5 s, the inference service in ~10 s
+GENERATE_TIMEOUT = 120.0
+LONG_REGEX = "[a-z ]{2000}"  # never completes: the request runs to max_tokens
+LONG_TOKENS = 150  # a few seconds on the embedded model: the replica is killed after its 5th token
+
+
+# ---------------------------------------------------------------- the back-off policy alone
+
+
+def test_backoff_doubles_to_its_cap_and_resets():
+    b = Backoff(0.5, 30.0)
+    assert [b.next() for _ in range(9)] == [0.5, 1, 2, 4, 8, 16, 30, 30, 30]
+    b.reset()
+    assert b.next() == 0.5
+    with pytest.raises(ValueError):
+        Backoff(0.0, 1.0)
+    assert describe_exit(-9) == "code -9 (SIGKILL)" and describe_exit(3) == "code 3"
+
+
+def _supervise(command: list[str], seconds: float, stable_seconds: float) -> tuple[Child, list[str]]:
+    out = io.StringIO()
+    stop = threading.Event()
+    child = Child("flaky", "127.0.0.1:1", command, Backoff(0.05, 0.4))
+    sup = Supervisor([child], None, stop, stable_seconds=stable_seconds, stop_timeout=5.0, startup_timeout=5.0,
+                     out=out)
+    child.start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sup.tick(time.monotonic())
+        time.sleep(0.01)
+    stop.set()
+    sup.stop_all()
+    return child, [line for line in out.getvalue().splitlines() if "exited" in line]
+
+
+def test_child_failing_at_start_keeps_backing_off_without_spinning():
+    child, lines = _supervise(["sh", "-c", "exit 3"], 1.6, stable_seconds=60.0)
+    delays = [float(re.search(r"in ([0-9.]+) s", line).group(1)) for line in lines]
+    assert all("exited with code 3" in line for line in lines), lines
+    # 0.05, 0.1, 0.2, 0.4, 0.4, ...: 1.6 s hold at most 7 restarts; a spinning loop would make hundreds.
+    assert delays[:4] == [0.05, 0.1, 0.2, 0.4], lines
+    assert set(delays[4:]) <= {0.4} and 4 <= len(delays) <= 7, lines
+    assert child.restarts == len(lines) and not child.running()
+
+
+def test_child_that_ran_a_while_restarts_after_the_initial_delay():
+    _, lines = _supervise(["sleep", "0.3"], 1.2, stable_seconds=0.2)
+    delays = [float(re.search(r"in ([0-9.]+) s", line).group(1)) for line in lines]
+    assert len(delays) >= 2 and set(delays) == {0.05}, lines
+
+
+# ---------------------------------------------------------------- a real `structd up`
+
+
+@dataclass
+class Up:
+    proc: Proc
+    grammar_port: int
+    grammar_metrics_port: int
+    port: int
+    pids: dict[str, int] = field(default_factory=dict)  # "grammar replica 1" / "inference service" -> pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def grammar_target(self, i: int) -> str:
+        return f"127.0.0.1:{self.grammar_port + i}"
+
+    def grammar_metric(self, i: int, prefix: str) -> float:
+        """Sum of the samples of replica i's metrics whose name starts with prefix."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.grammar_metrics_port + i}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(prefix) and not line.startswith("#"))
+
+    def wait_restart(self, name: str, old_pid: int) -> int:
+        """Waits for up's exit line and its SERVING again line for `name`; returns the new pid."""
+        line = self.proc.wait_for_line(f"{name} (pid {old_pid}) exited", timeout=RESTART_TIMEOUT)
+        assert "with code -9 (SIGKILL)" in line and "restart 1 in 0.5 s" in line, line
+        line = self.proc.wait_for_line(f"{name} SERVING again", timeout=RESTART_TIMEOUT)
+        pid = int(re.search(r"\(pid (\d+)\)", line).group(1))
+        assert pid != old_pid and running(pid)
+        self.pids[name] = pid
+        return pid
+
+
+@pytest.fixture(scope="module")
+def up():
+    port, mport = free_ports(2), free_ports(2)
+    iport, imetrics = free_ports(), free_ports()
+    proc = Proc([PYTHON, "-m", "shared.cli", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+                 "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
+                 "--metrics-port", str(imetrics), "--log-level", "WARNING"])
+    services: set[int] = set()
+    try:
+        proc.wait_for_line("all services SERVING")
+        services = children_of(proc.popen.pid)
+        u = Up(proc, port, mport, iport)
+        for line in proc.lines:
+            m = re.match(r"(grammar replica \d|inference service): grpc .*  pid (\d+)$", line)
+            if m:
+                u.pids[m.group(1)] = int(m.group(2))
+        assert set(u.pids) == {"grammar replica 1", "grammar replica 2", "inference service"}, proc.output
+        assert set(u.pids.values()) == services
+        yield u
+    finally:
+        proc.kill()
+        # up itself was SIGKILLed only if a test failed: its children must not outlive the module.
+        for pid in services | children_of(proc.popen.pid):
+            if running(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # the child's own exit won the race
+
+
+def _long_generation(target: str, result: dict, first_chunks: threading.Event) -> None:
+    try:
+        with InferenceClient(target) as client:
+            chunks = 0
+            for chunk in client.generate("Spell it:", regex=LONG_REGEX, max_tokens=LONG_TOKENS, timeout=GENERATE_TIMEOUT):
+                chunks += 1
+                if chunks == 5:
+                    first_chunks.set()
+                if chunk.finish_reason is not None:
+                    result["finish_reason"] = chunk.finish_reason
+                    result["tokens"] = chunk.usage.completion_tokens
+    except Exception as e:  # noqa: BLE001 - the server's or the transport's; the test reports it
+        result["error"] = e
+    finally:
+        first_chunks.set()
+
+
+def test_killed_grammar_replica_is_restarted_on_its_port_and_rejoins(up):
+    # A long constrained generation; the replica that holds its session is the one killed.
+    result: dict = {}
+    first_chunks = threading.Event()
+    gen = threading.Thread(target=_long_generation, args=(up.target, result, first_chunks), daemon=True)
+    gen.start()
+    assert first_chunks.wait(GENERATE_TIMEOUT) and "error" not in result, result
+    sessions = [up.grammar_metric(i, "grammar_svc_active_sessions") for i in range(2)]
+    assert sorted(sessions) == [0, 1], sessions
+    i = sessions.index(1)
+    name = f"grammar replica {i + 1}"
+
+    old = up.pids[name]
+    os.kill(old, signal.SIGKILL)
+    up.wait_restart(name, old)
+    assert health(up.grammar_target(i), "grammar.v1.GrammarService") == serving()
+
+    # The in-flight request was replayed on replica 2 and ran to its end.
+    gen.join(GENERATE_TIMEOUT)
+    assert result.get("finish_reason") == "length" and result.get("tokens") == LONG_TOKENS, result
+
+    # Later constrained requests are served; within a few maintenance rounds the tier has handed the restarted
+    # replica its tokenizer again and compiles there (an idle tier picked it for the first request, and does again).
+    with InferenceClient(up.target) as client:
+        deadline = time.monotonic() + 30.0
+        n = 0
+        while up.grammar_metric(i, "grammar_svc_cache_") == 0:
+            assert time.monotonic() < deadline, "the restarted replica never got a compile\n" + up.proc.output
+            n += 1
+            done = client.complete("A code:", regex=f"[a-z]{{3}}-[0-9]{{{n}}}", max_tokens=16,
+                                   timeout=GENERATE_TIMEOUT)
+            assert done.finish_reason == "stop" and re.fullmatch(f"[a-z]{{3}}-[0-9]{{{n}}}", done.text), done
+            time.sleep(0.5)
+    assert up.proc.popen.poll() is None
+    assert up.pids[f"grammar replica {2 - i}"] in children_of(up.proc.popen.pid)
+
+
+def test_killed_inference_service_is_restarted(up):
+    old = up.pids["inference service"]
+    os.kill(old, signal.SIGKILL)
+    up.wait_restart("inference service", old)
+    with InferenceClient(up.target) as client:
+        done = client.complete("Well?", choice=["yes", "no"], timeout=GENERATE_TIMEOUT)
+    assert done.text in ("yes", "no") and done.finish_reason == "stop"
+    assert up.proc.popen.poll() is None
+
+
+def test_sigint_stops_everything_and_exits_zero(up):
+    """Runs last in this module: it stops the module's `structd up`."""
+    services = children_of(up.proc.popen.pid)
+    assert services == set(up.pids.values())
+    up.proc.popen.send_signal(signal.SIGINT)
+    assert up.proc.wait() == 0, up.proc.output
+    assert "stopped" in up.proc.lines
+    assert not [p for p in services if running(p)]
+    # No restart was scheduled while stopping.
+    assert len([line for line in up.proc.lines if " exited with " in line]) == 2, up.proc.output
