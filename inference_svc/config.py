@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int = 0
     # Grammar compile deadline asked of the grammar tier (0: its default).
     compile_timeout_seconds: float = 0.0
+    # Prompts longer than this (UTF-8 bytes) are refused before they are tokenized.
+    max_prompt_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class InferenceServiceConfig:
     port: int = 50051
     metrics_port: int = 9401
     grammar_targets: tuple[str, ...] = ("127.0.0.1:50052",)
+    # A grammar replica silent this long after a step's forward finished is hung: its requests move elsewhere.
+    grammar_step_timeout_seconds: float = 2.0
     # A Hugging Face causal LM directory; None: the embedded default model.
     model: Path | None = None
     # Where the embedded model is built and cached (None: ~/.cache/structd/models).
@@ -73,6 +77,10 @@ class InferenceServiceConfig:
             problems.append("--simulate-step-ms must be >= 0")
         if e.max_num_seqs < 1 or e.max_num_batched_tokens < 1:
             problems.append("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if self.grammar_step_timeout_seconds <= 0:
+            problems.append("--grammar-step-timeout-seconds must be positive")
+        if e.max_prompt_bytes < 1:
+            problems.append("--max-prompt-bytes must be at least 1")
         if e.max_waiting < 0 or e.default_max_tokens < 1 or e.max_model_len < 0:
             problems.append("--max-waiting, --default-max-tokens and --max-model-len must be positive")
         if problems:
@@ -99,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                         help="Prometheus /metrics port (0 disables)")
     parser.add_argument("--grammar-target", default=env_default("grammar_target", ",".join(d.grammar_targets)),
                         help="grammar service replica(s): HOST:PORT[,HOST:PORT...] (gRPC target strings)")
+    parser.add_argument("--grammar-step-timeout-seconds", type=float,
+                        default=env_default("grammar_step_timeout_seconds", d.grammar_step_timeout_seconds),
+                        help="a grammar replica that has not answered a step this long after the forward finished "
+                             "is treated as lost: its requests are replayed on another replica")
     parser.add_argument("--model", type=Path, default=env.get(ENV_PREFIX + "MODEL"),
                         help="Hugging Face causal LM directory (default: the embedded model, built on first use)")
     parser.add_argument("--model-cache-dir", type=Path, default=env.get(ENV_PREFIX + "MODEL_CACHE_DIR"),
@@ -120,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", e.max_model_len))
     parser.add_argument("--compile-timeout-seconds", type=float,
                         default=env_default("compile_timeout_seconds", e.compile_timeout_seconds))
+    parser.add_argument("--max-prompt-bytes", type=int, default=env_default("max_prompt_bytes", e.max_prompt_bytes),
+                        help="longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
     parser.add_argument("--simulate-step-ms", type=float, default=env_default("simulate_step_ms", d.simulate_step_ms),
                         help=argparse.SUPPRESS)
     parser.add_argument("--grace-seconds", type=float, default=env_default("grace_seconds", d.grace_seconds))
@@ -136,6 +150,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         grammar_targets=parse_targets(args.grammar_target),
+        grammar_step_timeout_seconds=args.grammar_step_timeout_seconds,
         model=Path(args.model) if args.model else None,
         model_cache_dir=Path(args.model_cache_dir) if args.model_cache_dir else None,
         tp=args.tp,
@@ -152,6 +167,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             default_max_tokens=args.default_max_tokens,
             max_model_len=args.max_model_len,
             compile_timeout_seconds=args.compile_timeout_seconds,
+            max_prompt_bytes=args.max_prompt_bytes,
         ),
         grace_seconds=args.grace_seconds,
         log_level=args.log_level,

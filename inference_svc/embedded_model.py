@@ -65,6 +65,9 @@ class EmbeddedModelSpec:
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     seed: int = 0
+    # LM-head rows past the tokenizer's vocabulary. Real checkpoints often pad their vocabulary (to a multiple
+    # of 64 or 128); those ids are no token, and the engine must never sample them (tests build such a model).
+    vocab_padding: int = 0
 
 
 DEFAULT_SPEC = EmbeddedModelSpec()
@@ -97,8 +100,11 @@ def _tokenizer_dir() -> Path:
 def build_key(spec: EmbeddedModelSpec, tokenizer_dir: Path | None = None) -> dict:
     """Everything the built weights and files depend on; its hash names the cache directory."""
     tokenizer_dir = tokenizer_dir or _tokenizer_dir()
+    fields = asdict(spec)
+    if not spec.vocab_padding:
+        del fields["vocab_padding"]  # the key (and cache directory) of models built before the field existed
     return {
-        "spec": asdict(spec),
+        "spec": fields,
         "init_scheme": INIT_SCHEME_VERSION,
         "tokenizer": {name: _sha256_file(tokenizer_dir / name) for name in TOKENIZER_FILES},
     }
@@ -169,7 +175,7 @@ def build_model_dir(target: Path, spec: EmbeddedModelSpec, progress: Progress | 
     started = time.perf_counter()
     tokenizer_dir = _tokenizer_dir()
     tokenizer = load_hf_tokenizer()  # the default tokenizer, cached with the one the handshake uses
-    vocab_size = len(tokenizer)
+    vocab_size = len(tokenizer) + spec.vocab_padding
     config = llama_config(spec, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     # transformers' own random init would be overwritten anyway: skip it.
     with no_init_weights():

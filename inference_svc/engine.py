@@ -8,16 +8,24 @@ One step, in order (the point of structd's design):
    replica, written *before* the forward is launched;
 3. forward on the executor thread; the event loop meanwhile reads the grammar
    answers (the replica advances its matchers and fills the next masks);
-4. wait only for what has not arrived (`inference_svc_mask_wait_seconds`);
-   masks were decoded straight into the preallocated bitmask rows;
-5. apply the bitmask on the logits' device (xgrammar's kernel; unconstrained
-   rows are skipped by index), sample per request, stream the deltas.
+4. collect: wait only for what has not arrived (`inference_svc_mask_wait_seconds`),
+   at most the grammar step deadline; masks were decoded straight into the
+   preallocated bitmask rows;
+5. sample: masks applied as `masking.py` decides (xgrammar's kernel on a GPU,
+   id lists on the CPU), one token per request;
+6. emit: append, stream the deltas, finish what is done.
 
 A jump-forward answer (forced tokens, already accepted by the grammar) makes
 that row's logits stale: the row is not sampled, the forced tokens join the
 request's uncomputed tail and are fed as one multi-token extend next step,
 whose mask comes from an empty grammar step. Requests whose grammar is still
 compiling are outside the scheduler entirely, so no step waits on a compile.
+
+Failure is local: whatever goes wrong for one request (its scheduling, its
+grammar session, its sampling or text) fails that request alone; a failed
+forward fails that step's requests; the loop goes on. Should the loop itself
+end, every request in flight fails with UNAVAILABLE and `on_fatal` tells the
+server, which turns NOT_SERVING and exits non-zero so it is replaced.
 """
 
 from __future__ import annotations
@@ -26,14 +34,16 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import grpc
+import numpy as np
 import torch
 
 from inference_svc.config import EngineConfig
-from inference_svc.grammar_tier import GrammarRow, GrammarTier
+from inference_svc.grammar_session import GrammarSession
+from inference_svc.grammar_tier import GrammarRow, GrammarTier, PendingStep, RowOutcome, RowResult
 from inference_svc.masking import apply_masks
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model_runner import ModelRunner
@@ -43,18 +53,13 @@ from inference_svc.scheduler import ScheduledStep, Scheduler
 from inference_svc.text_stream import TextStream
 from shared import errors
 from shared.codec import SparseMask, words_for_vocab
-from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 
 log = logging.getLogger(__name__)
 
 # Times one request may move to another grammar replica before it fails.
 MAX_REPLAYS = 3
-# SessionResult.error_code is a google.rpc.Code: grpc.StatusCode's number.
-_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
-_GRAMMAR_ERROR_CODES = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]: errors.LimitExceededError,  # the replica's session limit
-    grpc.StatusCode.INVALID_ARGUMENT.value[0]: errors.InvalidRequestError,
-}
+# Loop iterations in a row that fail in a way no request can be blamed for before the engine gives up.
+MAX_CONSECUTIVE_LOOP_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -67,21 +72,36 @@ class TokenizerView:
     eos_ids: frozenset[int]
 
 
+@dataclass
+class RowPlan:
+    """What a step does with its logits rows (row = index into the step's sampled requests)."""
+
+    sample: list[int] = field(default_factory=list)  # rows to sample
+    masked: list[tuple[int, SparseMask | None]] = field(default_factory=list)  # constrained rows among them
+    ban_eos: list[int] = field(default_factory=list)  # unconstrained rows with ignore_eos
+    forced: dict[int, list[int]] = field(default_factory=dict)  # jump-forward rows: their forced tokens
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: TokenizerView, grammar: GrammarTier | None,
-                 config: EngineConfig, metrics: InferenceMetrics, max_model_len: int):
+                 config: EngineConfig, metrics: InferenceMetrics, max_model_len: int,
+                 on_fatal: Callable[[BaseException | None], None] | None = None):
         self.runner = runner
         self.tok = tokenizer
         self.grammar = grammar
         self.config = config
         self.metrics = metrics
+        self.on_fatal = on_fatal
         self.max_model_len = min(config.max_model_len or max_model_len, max_model_len)
         self.scheduler = Scheduler(runner.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._compiling: set[GenerationRequest] = set()
         self._cancelled: list[GenerationRequest] = []
+        self._tokenizing = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._draining = False
+        self._closing = False
+        self.dead = False
         # One thread: the device does one thing at a time, and torch ops release the GIL,
         # so the event loop keeps serving gRPC and reading grammar answers meanwhile.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
@@ -94,16 +114,21 @@ class Engine:
             self._bitmask_dev = self._bitmask_host
         self._bitmask_np = self._bitmask_host.numpy()
         self._eos = torch.tensor(sorted(tokenizer.eos_ids), dtype=torch.long, device=runner.device)
+        # Ids at or past this are padding of a model whose LM head is wider than its tokenizer: never sampled.
         self.tok_vocab_size = len(tokenizer.token_bytes)
 
     # --- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-step-loop")
+        self._task.add_done_callback(self._loop_ended)
 
     @property
     def num_active(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._compiling)
+
+    def _in_flight(self) -> list[GenerationRequest]:
+        return list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._compiling)
 
     async def drain(self, grace_seconds: float) -> None:
         """Stops admitting; lets requests finish within the grace period; cancels the rest."""
@@ -111,35 +136,66 @@ class Engine:
         deadline = time.monotonic() + grace_seconds
         while self.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._compiling):
+        for req in self._in_flight():
             self.cancel(req)
         while self.num_active and self._task is not None and not self._task.done():
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # noqa: BLE001 - the loop's own death, already reported by _loop_ended
+                pass
         self._executor.shutdown(wait=True)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The step loop is gone (a bug, not a request's fault): nothing in flight can finish here any more."""
+        if self._closing:
+            return
+        cause = None if task.cancelled() else task.exception()
+        log.critical("the engine's step loop ended; failing every request in flight", exc_info=cause)
+        self.dead = True
+        error = errors.UnavailableError("the inference engine stopped; retry on another replica")
+        for req in self._in_flight():
+            self._fail(req, error)
+        if self.on_fatal is not None:
+            self.on_fatal(cause)
 
     # --- requests ------------------------------------------------------------
 
-    def submit(self, prompt: str, options: SamplingOptions, spec: gpb.GrammarSpec | None = None,
-               jump_forward: bool = True, request_id: str = "") -> GenerationRequest:
-        """Validates and enqueues a request; its outputs arrive on `request.outputs`."""
-        if self._draining:
+    async def submit(self, prompt: str, options: SamplingOptions, spec: object | None = None,
+                     jump_forward: bool = True, request_id: str = "") -> GenerationRequest:
+        """Validates and enqueues a request; its outputs arrive on `request.outputs`.
+
+        The prompt is measured in bytes before it is tokenized, and tokenized on
+        a worker thread: a huge prompt costs its own request time, not everyone's step.
+        """
+        if self._draining or self.dead:
             raise errors.UnavailableError("the inference service is draining; retry on another replica")
         if not prompt:
             raise errors.InvalidRequestError("prompt is empty")
+        prompt_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+        if prompt_bytes > self.config.max_prompt_bytes:
+            raise errors.InvalidRequestError(
+                f"prompt is {prompt_bytes} bytes; this server accepts at most {self.config.max_prompt_bytes} "
+                "(--max-prompt-bytes)")
         if spec is not None and self.grammar is None:
             raise errors.UnavailableError("constrained generation needs a grammar tier (--grammar-target)")
-        if self.num_active - len(self.scheduler.running) >= self.config.max_waiting:
+        if self.num_active + self._tokenizing - len(self.scheduler.running) >= self.config.max_waiting:
             raise errors.LimitExceededError(
                 f"{self.config.max_waiting} requests are already waiting; retry later or on another replica")
-        prompt_ids = list(self.tok.encode(prompt))
+        self._tokenizing += 1
+        try:
+            prompt_ids = list(await asyncio.to_thread(self.tok.encode, prompt))
+        finally:
+            self._tokenizing -= 1
+        if self._draining or self.dead:
+            raise errors.UnavailableError("the inference service is draining; retry on another replica")
         if len(prompt_ids) + options.max_tokens > self.max_model_len:
             raise errors.InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + sampling.max_tokens ({options.max_tokens}) exceeds the "
@@ -155,15 +211,13 @@ class Engine:
             options=options,
             sampler=RowSampler(options, self.runner.device),
             text=TextStream(self.tok.token_bytes, self.tok.special_ids, options.stop),
-            spec=spec,
-            jump_forward=jump_forward,
+            grammar=GrammarSession(spec, jump_forward) if spec is not None else None,
         )
         if spec is None:
             self.scheduler.add(req)
             self._wake.set()
         else:
-            self._compiling.add(req)
-            asyncio.create_task(self._compile(req), name=f"compile-{req.request_id}")
+            self._start_compile(req)
         return req
 
     def cancel(self, req: GenerationRequest) -> None:
@@ -174,17 +228,23 @@ class Engine:
         self._cancelled.append(req)
         self._wake.set()
 
+    def _start_compile(self, req: GenerationRequest) -> None:
+        req.phase = Phase.COMPILING
+        self._compiling.add(req)
+        asyncio.create_task(self._compile(req), name=f"compile-{req.seq_id}")
+
     async def _compile(self, req: GenerationRequest) -> None:
         try:
-            replica, grammar_id = await self.grammar.compile(req.spec)
-        except Exception as e:  # noqa: BLE001 - any compile failure fails this request alone
+            await self.grammar.compile(req.grammar)
+        except Exception as e:  # noqa: BLE001 - the request's: its constraint, or no replica left for it
             self._compiling.discard(req)
-            if not req.cancelled:
-                self._finish(req, None, error=e)
+            self._finish(req, FinishReason.CANCELLED if req.cancelled else None, error=None if req.cancelled else e)
             return
         self._compiling.discard(req)
-        req.grammar_replica, req.grammar_id = replica, grammar_id
-        req.session_id = self.grammar.new_session_id()
+        if req.phase is Phase.FINISHED:
+            # Failed (or the engine stopped) while it compiled: it must never run again.
+            self.grammar.release(req.grammar)
+            return
         if req.grammar_ready_at is None:
             req.grammar_ready_at = time.monotonic()
             self.metrics.grammar_wait.observe(req.grammar_ready_at - req.arrival)
@@ -197,34 +257,68 @@ class Engine:
     # --- the loop ------------------------------------------------------------
 
     async def _run(self) -> None:
+        failures = 0
         while True:
-            self._reap_cancelled()
-            self._update_gauges()
-            if not self.scheduler.has_work():
-                if self.grammar is not None and self.grammar.has_pending_closes():
-                    await self.grammar.send([], self._bitmask_np).receive()
-                    continue
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step = self.scheduler.schedule()
-            if step.preempted:
-                self.metrics.preemptions.inc(len(step.preempted))
-            if not step.chunks:
-                # Nothing fits right now (KV full): wait for a finish or cancel to free blocks.
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             try:
-                await self._step(step)
-            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
-                log.exception("engine step failed")
-                for s in step.chunks:
-                    if s.request.phase is not Phase.FINISHED:
-                        self._finish(s.request, None, error=e)
+                await self._iterate()
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - nobody's in particular: everyone scheduled fails, the loop goes on
+                failures += 1
+                log.exception("engine loop iteration failed (%d in a row)", failures)
+                if failures >= MAX_CONSECUTIVE_LOOP_FAILURES:
+                    raise
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._fail(req, e)
+
+    async def _iterate(self) -> None:
+        self._reap_cancelled()
+        self._update_gauges()
+        if not self.scheduler.has_work():
+            if self.grammar is not None and self.grammar.has_pending_closes():
+                await self._receive(self.grammar.send([], self._bitmask_np))
+                return
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        step = self.scheduler.schedule()
+        for req, e in step.failed:
+            log.error("request %s (seq %d) could not be scheduled", req.request_id, req.seq_id, exc_info=e)
+            self._fail(req, e)
+        if step.preempted:
+            self.metrics.preemptions.inc(len(step.preempted))
+        if not step.chunks:
+            # Nothing fits right now (KV full): wait for a finish or cancel to free blocks.
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        try:
+            await self._step(step)
+        except Exception as e:  # noqa: BLE001 - a failed step (e.g. the forward) fails its requests, not the server
+            log.exception("engine step failed")
+            self.metrics.step_failures.inc()
+            for s in step.chunks:
+                self._finish(s.request, None, error=e)
 
     async def _step(self, step: ScheduledStep) -> None:
-        loop = asyncio.get_running_loop()
+        self._note_admissions(step)
+        sampled = step.sampled
+        rows = [GrammarRow(req.grammar, i) for i, req in enumerate(sampled) if req.constrained]
+        pending = None
+        if self.grammar is not None and (rows or self.grammar.has_pending_closes()):
+            pending = self.grammar.send(rows, self._bitmask_np)
+        logits, forward_done = await self._forward(step, pending)
+        results: dict[int, RowResult] = {}
+        if pending is not None:
+            answered = await self._receive(pending)
+            if rows:
+                self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
+                self.metrics.grammar_rpc_duration.observe(answered.rpc_seconds)
+            results = {g.row: r for g, r in zip(rows, answered.rows)}
+        plan = self._plan(sampled, results)
+        tokens = await self._sample(logits, plan, sampled)
+        self._emit(sampled, plan, tokens)
+
+    def _note_admissions(self, step: ScheduledStep) -> None:
         now = time.monotonic()
         for s in step.chunks:
             req = s.request
@@ -232,121 +326,164 @@ class Engine:
                 req.admitted_at = now
                 self.metrics.queue_time.observe(now - (req.grammar_ready_at or req.arrival))
                 self.metrics.prompt_tokens.inc(req.num_prompt)
-        sampled = step.sampled
-        rows = [self._grammar_row(req, i) for i, req in enumerate(sampled) if req.constrained]
-        pending = None
-        if self.grammar is not None and (rows or self.grammar.has_pending_closes()):
-            pending = self.grammar.send(rows, self._bitmask_np)
 
+    async def _forward(self, step: ScheduledStep, pending: PendingStep | None) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         try:
-            logits = await loop.run_in_executor(self._executor, self.runner.forward, step.batch)
+            logits = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.forward, step.batch)
         except Exception:
             if pending is not None:
                 # Its tasks write into the bitmask: let them finish before the next step reuses the rows.
-                await asyncio.gather(pending.receive(), return_exceptions=True)
+                await asyncio.gather(self._receive(pending), return_exceptions=True)
             raise
         forward_done = time.perf_counter()
         self.scheduler.commit(step)
         self.metrics.forward_duration.observe(forward_done - started)
         self.metrics.batch_size.observe(len(step.chunks))
+        return logits, forward_done
 
-        results = None
-        if pending is not None:
-            results = await pending.receive()
-            if rows:
-                self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
-                self.metrics.grammar_rpc_duration.observe(results.rpc_seconds)
-            for replica in results.lost_replicas:
-                self._replica_lost(replica, results)
+    async def _receive(self, pending: PendingStep):
+        """The grammar's answers, at most the step deadline after now; requests of lost replicas move on."""
+        answered = await pending.receive(self.grammar.step_timeout_seconds)
+        for replica, reason in answered.lost_replicas.items():
+            self.metrics.grammar_replica_losses.labels(reason).inc()
+            self._replica_lost(replica)
+        return answered
 
-        # Which rows get sampled, and with which mask.
-        to_sample: list[int] = []
-        masked: list[tuple[int, SparseMask | None]] = []
-        ban_eos: list[int] = []
-        forced: dict[int, list[int]] = {}
-        by_row = {g.row: (r, f) for g, r, f in zip(rows, results.results, results.sparse)} if rows else {}
+    def _plan(self, sampled: list[GenerationRequest], results: dict[int, RowResult]) -> RowPlan:
+        """Which rows get sampled, and with which mask; requests the grammar finished or moved leave here."""
+        plan = RowPlan()
         for i, req in enumerate(sampled):
             if req.phase is not Phase.RUNNING:  # finished, or moved to another grammar replica
                 continue
             if req.constrained:
-                result, form = by_row[i]
+                result = results[i]
                 if not self._take_grammar_result(req, result):
                     continue
-                if result.jump_forward.forced_token_ids:
-                    forced[i] = list(result.jump_forward.forced_token_ids)
+                if result.forced_token_ids:
+                    plan.forced[i] = list(result.forced_token_ids)
                     continue
-                masked.append((i, form))
+                plan.masked.append((i, result.sparse))
             elif req.options.ignore_eos:
-                ban_eos.append(i)
-            to_sample.append(i)
+                plan.ban_eos.append(i)
+            plan.sample.append(i)
+        return plan
 
-        tokens: list[int] = []
-        if to_sample:
-            samplers = [sampled[i].sampler for i in to_sample]
-            tokens = await loop.run_in_executor(
-                self._executor, self._mask_and_sample, logits, masked, ban_eos, to_sample, samplers)
+    async def _sample(self, logits: torch.Tensor, plan: RowPlan,
+                      sampled: list[GenerationRequest]) -> list[int | Exception]:
+        if not plan.sample:
+            return []
+        samplers = [sampled[i].sampler for i in plan.sample]
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._mask_and_sample, logits, plan, samplers)
+
+    def _emit(self, sampled: list[GenerationRequest], plan: RowPlan, tokens: list[int | Exception]) -> None:
         appended = {True: 0, False: 0}
-        for i, token in zip(to_sample, tokens):
-            appended[sampled[i].constrained] += self._append(sampled[i], [token], sampled_token=True)
-        for i, ids in forced.items():
-            appended[sampled[i].constrained] += self._append(sampled[i], ids, sampled_token=False)
+        for i, token in zip(plan.sample, tokens):
+            req = sampled[i]
+            if isinstance(token, Exception):
+                self._fail(req, token)
+            else:
+                appended[req.constrained] += self._append_guarded(req, [token], sampled_token=True)
+        for i, ids in plan.forced.items():
+            appended[sampled[i].constrained] += self._append_guarded(sampled[i], ids, sampled_token=False)
         for constrained, n in appended.items():
             if n:
                 self.metrics.by_kind[constrained].generation_tokens.inc(n)
 
-    def _grammar_row(self, req: GenerationRequest, row: int) -> GrammarRow:
-        s = gpb.SessionStep(session_id=req.session_id, accept_token_ids=req.pending_accept,
-                            jump_forward=req.jump_forward and bool(req.pending_accept))
-        if not req.session_open:
-            s.open.grammar_id = req.grammar_id
-            req.session_open = True
-        req.pending_accept = []
-        return GrammarRow(req.grammar_replica, s, row)
-
-    def _take_grammar_result(self, req: GenerationRequest, result) -> bool:
-        """True when the row may be used (OK); otherwise finishes the request."""
-        if isinstance(result, BaseException):
-            self._finish(req, None, error=result)
-            return False
-        status = result.status
-        if status == gpb.SESSION_STATUS_OK:
+    def _take_grammar_result(self, req: GenerationRequest, result: RowResult) -> bool:
+        """True when the row may be used; otherwise the request finishes or moves to another replica."""
+        outcome = result.outcome
+        if outcome is RowOutcome.OK:
             return True
-        if status == gpb.SESSION_STATUS_TERMINATED:
+        if outcome is RowOutcome.TERMINATED:
             self._finish(req, FinishReason.STOP)
-        elif status == gpb.SESSION_STATUS_REJECTED:
+        elif outcome is RowOutcome.REJECTED:
             self._finish(req, None, error=errors.GrammarDesyncError(
                 f"the grammar rejected token {req.all_ids[-1]} that was sampled under its mask"))
+        elif outcome is RowOutcome.LOST:
+            self._replay(req, result.error)
         else:
-            req.session_open = False  # an ERROR leaves no session behind on the replica
-            if result.error_code == _NOT_FOUND:
-                # The replica forgot the session or its grammar (restart, idle expiry, eviction): replay.
-                self._replay(req, errors.UnavailableError(f"grammar session: {result.error_message}"))
-            else:
-                cls = _GRAMMAR_ERROR_CODES.get(result.error_code, errors.UnavailableError)
-                self._finish(req, None, error=cls(f"grammar session: {result.error_message}"))
+            req.grammar.open = False  # a failed step leaves no session behind on the replica
+            self._finish(req, None, error=result.error)
         return False
 
     @torch.inference_mode()  # the logits are inference tensors: in-place masking needs the same mode
-    def _mask_and_sample(self, logits: torch.Tensor, masked: list[tuple[int, SparseMask | None]],
-                         ban_eos: list[int], rows: list[int], samplers: list[RowSampler]) -> list[int]:
+    def _mask_and_sample(self, logits: torch.Tensor, plan: RowPlan, samplers: list[RowSampler]) -> list[int | Exception]:
+        """One token per planned row, or the exception that row failed with (the others are unaffected)."""
+        vocab = self.tok_vocab_size
         restrict = {}
-        if masked:
-            restrict = apply_masks(logits, masked, self._bitmask_host, self._bitmask_dev, self.tok_vocab_size)
-        if ban_eos:
-            idx = torch.tensor(ban_eos, device=logits.device)
+        if plan.masked:
+            restrict = apply_masks(logits, plan.masked, self._bitmask_host, self._bitmask_dev, vocab)
+        if logits.shape[1] > vocab:
+            # A padded LM head: the padding is no token of the tokenizer, for any row.
+            logits[:, vocab:] = float("-inf")
+        if plan.ban_eos:
+            idx = torch.tensor(plan.ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")
-        return sample(logits, samplers, rows, [restrict.get(i) for i in rows] if restrict else None)
+        rows = plan.sample
+        candidates = [restrict.get(i) for i in rows] if restrict else [None] * len(rows)
+        out: list[int | Exception] = [0] * len(rows)
+        todo = []
+        for k, c in enumerate(candidates):
+            if c is not None and c.size == 0:
+                out[k] = _no_token_error()
+            else:
+                todo.append(k)
+        picked = self._sample_rows(logits, [samplers[k] for k in todo], [rows[k] for k in todo],
+                                   [candidates[k] for k in todo])
+        for k, token in zip(todo, picked):
+            out[k] = token
+        # A row with no finite logit left (everything masked, or a broken model) "samples" some index:
+        # check the token exists and was drawable (one gather over the step's rows).
+        good = [k for k in todo if isinstance(out[k], int)]
+        for k in good:
+            if not 0 <= out[k] < vocab:
+                out[k] = _no_token_error()
+        good = [k for k in good if isinstance(out[k], int)]
+        if good:
+            values = logits[[rows[k] for k in good], [out[k] for k in good]]
+            for k, ok in zip(good, torch.isfinite(values).tolist()):
+                if not ok:
+                    out[k] = _no_token_error()
+        return out
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, samplers: list[RowSampler], rows: list[int],
+                     candidates: list[np.ndarray | None]) -> list[int | Exception]:
+        if not rows:
+            return []
+        cands = candidates if any(c is not None for c in candidates) else None
+        try:
+            return sample(logits, samplers, rows, cands)
+        except Exception:  # noqa: BLE001 - some row's; find it by sampling each row alone, so only it fails
+            log.exception("batched sampling failed; sampling row by row")
+        out: list[int | Exception] = []
+        for s, row, c in zip(samplers, rows, candidates):
+            try:
+                out.append(sample(logits, [s], [row], [c] if c is not None else None)[0])
+            except Exception as e:  # noqa: BLE001 - this row's alone
+                out.append(e)
+        return out
 
     # --- outputs -------------------------------------------------------------
+
+    def _append_guarded(self, req: GenerationRequest, ids: list[int], *, sampled_token: bool) -> int:
+        try:
+            return self._append(req, ids, sampled_token=sampled_token)
+        except Exception as e:  # noqa: BLE001 - this request's tokens or text broke: it fails alone
+            log.exception("request %s (seq %d): appending tokens failed", req.request_id, req.seq_id)
+            self._fail(req, e)
+            return 0
 
     def _append(self, req: GenerationRequest, ids: list[int], *, sampled_token: bool) -> int:
         """Appends a step's tokens to a request and streams them; returns how many were appended."""
         room = req.options.max_tokens - req.num_output
         ids = ids[:room]
+        delta = req.text.push(ids)  # first: tokens it cannot decode must not reach all_ids
         req.all_ids.extend(ids)
         if req.constrained and sampled_token:
-            req.pending_accept.extend(ids)
+            req.grammar.pending_accept.extend(ids)
         if not sampled_token:
             req.forced_tokens += len(ids)
             self.metrics.forced_tokens.inc(len(ids))
@@ -356,7 +493,6 @@ class Engine:
         finish = None
         if sampled_token and ids[-1] in self.tok.eos_ids and not (req.options.ignore_eos and not req.constrained):
             finish = FinishReason.STOP
-        delta = req.text.push(ids)
         if delta.stopped:
             finish = FinishReason.STOP_STRING
         elif finish is None and req.num_output >= req.options.max_tokens:
@@ -367,15 +503,28 @@ class Engine:
             self._finish(req, finish, token_ids=ids, text=delta.text)
         return len(ids)
 
+    def _fail(self, req: GenerationRequest, error: BaseException) -> None:
+        """Fails one request with `error`; never raises (it runs in the loop's error paths)."""
+        self.metrics.row_failures.inc()
+        try:
+            self._finish(req, None, error=error)
+        except Exception:  # noqa: BLE001 - its bookkeeping is beyond repair: still tell the client
+            log.exception("request %s (seq %d): finishing it failed", req.request_id, req.seq_id)
+            if req.phase is not Phase.FINISHED:
+                req.phase = Phase.FINISHED
+                self._compiling.discard(req)
+                req.outputs.put_nowait(Output([], "", None, req.usage(), error))
+
     def _finish(self, req: GenerationRequest, reason: FinishReason | None, *, token_ids: list[int] | None = None,
                 text: str = "", error: BaseException | None = None) -> None:
         if req.phase is Phase.FINISHED:
             return
         if req.phase in (Phase.WAITING, Phase.RUNNING):
             self.scheduler.remove(req)
+        self._compiling.discard(req)
         req.phase = Phase.FINISHED
-        if req.grammar_replica >= 0:
-            self.grammar.release(req.grammar_replica, req.session_id if req.session_open else None)
+        if req.grammar is not None:
+            self.grammar.release(req.grammar)
         if error is None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             text += req.text.finish()
         kind = self.metrics.by_kind[req.constrained]
@@ -386,13 +535,11 @@ class Engine:
             kind.tpot.observe((now - req.first_token_at) / (req.num_output - 1))
         req.outputs.put_nowait(Output(token_ids or [], text, reason, req.usage(), error))
 
-    def _replica_lost(self, replica: int, results) -> None:
+    def _replica_lost(self, replica: int) -> None:
         """Every request pinned to a replica whose stream broke moves to another one (replay)."""
-        error = next((r for r in results.results if isinstance(r, BaseException)), None)
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            if req.constrained and req.grammar_replica == replica:
-                req.session_open = False
-                self._replay(req, error or errors.UnavailableError("grammar replica lost"))
+            if req.constrained and req.grammar.replica == replica:
+                self._replay(req, errors.UnavailableError("grammar replica lost"))
 
     def _replay(self, req: GenerationRequest, cause: BaseException) -> None:
         """Rebuilds a lost grammar session elsewhere: a matcher is a pure function of (grammar, tokens).
@@ -402,32 +549,38 @@ class Engine:
         id everywhere; usually a cache hit) and reopens its session with every
         output token as accept_token_ids. Fails with `cause` after MAX_REPLAYS.
         """
-        if req.replays >= MAX_REPLAYS:
+        if req.grammar.replays >= MAX_REPLAYS:
             self._finish(req, None, error=cause)
             return
-        log.warning("request %s: grammar session lost (%s); replaying %d tokens on another replica",
-                    req.request_id, cause, req.num_output)
-        req.replays += 1
+        log.warning("request %s (seq %d): grammar session lost (%s); replaying %d tokens on another replica",
+                    req.request_id, req.seq_id, cause, req.num_output)
         self.metrics.grammar_replays.inc()
-        self.grammar.release(req.grammar_replica, None)
-        req.grammar_replica = -1
-        req.session_open = False
-        req.pending_accept = list(req.output_ids)
+        self.grammar.release(req.grammar)
+        req.grammar.rebuild_from(req.output_ids)
         self.scheduler.remove(req)
         req.num_computed = 0
-        req.phase = Phase.COMPILING
-        self._compiling.add(req)
-        asyncio.create_task(self._compile(req), name=f"replay-{req.request_id}")
+        self._start_compile(req)
 
     def _reap_cancelled(self) -> None:
         cancelled, self._cancelled = self._cancelled, []
         for req in cancelled:
             if req.phase in (Phase.WAITING, Phase.RUNNING):
-                self._finish(req, FinishReason.CANCELLED)
+                try:
+                    self._finish(req, FinishReason.CANCELLED)
+                except Exception as e:  # noqa: BLE001 - this request's bookkeeping: it fails alone
+                    self._fail(req, e)
             # COMPILING: _compile finishes it when the compile returns.
 
     def _update_gauges(self) -> None:
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting) + len(self._compiling))
-        self.metrics.kv_usage.set(self.runner.block_manager.usage_ratio)
+        try:
+            self.metrics.running.set(len(self.scheduler.running))
+            self.metrics.waiting.set(len(self.scheduler.waiting) + len(self._compiling))
+            self.metrics.kv_usage.set(self.runner.block_manager.usage_ratio)
+        except Exception:  # noqa: BLE001 - the metrics library's: gauges are best effort, steps are not
+            log.exception("updating gauges failed")
 
+
+def _no_token_error() -> errors.NoAllowedTokenError:
+    return errors.NoAllowedTokenError(
+        "no token can be sampled here: every token the constraint allows has probability 0 (the constraint "
+        "allows no token of this model's vocabulary at this point, or the model's logits are not finite)")

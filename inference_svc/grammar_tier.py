@@ -3,20 +3,29 @@
 Each request is pinned to one replica (the one with the fewest open sessions
 when its grammar is compiled). A step is sent as one `StepRequest` per replica
 that has rows in it, written *before* the forward pass is launched; the
-responses are read after the forward, and their masks decoded straight into
-the engine's bitmask rows.
+responses are read after the forward, their masks decoded straight into the
+engine's bitmask rows, and every row comes back to the engine as a small
+typed `RowResult`: the engine never sees protobuf.
 
-A replica whose stream breaks (or does not answer within the step timeout)
-is reported as lost and marked down (new compiles avoid it until `maintain`
-has registered the tokenizer with it again). A session is a pure function of
+Nothing a replica sends is trusted blindly: a response must answer every
+session it was sent, in order (`SessionResult.session_id`), and an OK result
+must carry a mask, or the row cannot be used. A replica whose stream breaks,
+that answers out of order, or that does not answer within the step deadline
+(`--grammar-step-timeout-seconds`, counted from the end of the forward) is
+reported as lost and marked down (new compiles avoid it until `maintain` has
+registered the tokenizer with it again). A session is a pure function of
 (grammar id, accepted tokens), so the engine replays the affected requests on
-another replica. A `dns:///name:port` target (a Kubernetes headless Service)
-stands for every address it resolves to, re-resolved periodically.
+another replica; a replay longer than one message may carry is sent as
+several messages on the stream before the step's own. A compile that finds a
+replica UNAVAILABLE is retried once on another. A `dns:///name:port` target
+(a Kubernetes headless Service) stands for every address it resolves to,
+re-resolved periodically; addresses that leave DNS are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 import socket
@@ -26,17 +35,24 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from inference_svc.grammar_session import GrammarSession
 from shared import errors
 from shared.codec import SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.grammar_client import GrammarClient, StepStream, decode_masks
+from shared.status import error_for_code
 from shared.tokenizer import TokenizerDescription
 
 log = logging.getLogger(__name__)
 
 DNS_SCHEME = "dns:///"
-# A grammar step is normally well under a millisecond; this only catches a hung replica.
-STEP_TIMEOUT_SECONDS = 30.0
+# A grammar step normally takes well under a millisecond; past this (after the forward) the replica is hung.
+DEFAULT_STEP_TIMEOUT_SECONDS = 2.0
+# Accepted tokens per SessionStep: comfortably below the grammar service's per-step limit (4,096), so a
+# replayed generation of any length goes out as several messages.
+MAX_ACCEPT_PER_MESSAGE = 2048
+# Compile status codes that say the replica, not the constraint, failed: the compile moves to another one.
+_RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
 # Grammar tier status codes that mean "your constraint", passed on to the client as such.
 _COMPILE_ERRORS: dict[grpc.StatusCode, type[errors.StructdError]] = {
@@ -44,6 +60,10 @@ _COMPILE_ERRORS: dict[grpc.StatusCode, type[errors.StructdError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.CompileTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.LimitExceededError,
 }
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+# Per-session error codes that are the request's own (its constraint, a limit it hit): passed on as such;
+# any other code is the replica's trouble and reaches the client as UNAVAILABLE.
+_REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
 
 
 def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
@@ -53,115 +73,208 @@ def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
     return errors.UnavailableError(f"grammar tier {target}: {e.code().name}: {e.details()}")
 
 
+class GrammarProtocolError(ConnectionError):
+    """A replica answered something that does not match what it was sent: its stream cannot be trusted."""
+
+
+class RowOutcome(enum.Enum):
+    OK = "ok"  # the next mask is in the bitmask row (or `sparse`); forced tokens may come with it
+    TERMINATED = "terminated"  # the grammar is complete
+    REJECTED = "rejected"  # the grammar refused a token sampled under its own mask
+    LOST = "lost"  # the replica lost the session (or died): rebuild it elsewhere
+    FAILED = "failed"  # the session failed for a reason that is the request's: `error`
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    outcome: RowOutcome
+    # The mask as the id list it arrived as (None: dense, in the bitmask row).
+    sparse: SparseMask | None = None
+    forced_token_ids: tuple[int, ...] = ()
+    error: BaseException | None = None  # LOST and FAILED: why
+
+
 @dataclass
 class _Replica:
-    index: int
+    id: int
     client: GrammarClient
+    dns_name: str | None = None  # the dns:/// target it was resolved from
     stream: StepStream | None = None
     sessions: int = 0
     registered: bool = False
+    retired: bool = False  # its address left DNS: no new sessions; gone once its sessions are
     pending_closes: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class GrammarRow:
-    """One session's part of a step; row is its bitmask row (-1: none, e.g. close)."""
+    """One session's part of a step; row is its bitmask row."""
 
-    replica: int
-    step: gpb.SessionStep
+    session: GrammarSession
     row: int
 
 
 @dataclass
 class StepResults:
-    """Per row, in send order: a SessionResult, or the exception that lost it."""
+    """Per row, in send order: what the grammar said (closes are not reported)."""
 
-    results: list[gpb.SessionResult | BaseException]
-    # Per row: the mask as the id list it arrived as (None: dense, or no mask).
-    sparse: list[SparseMask | None]
-    lost_replicas: set[int]
+    rows: list[RowResult]
+    lost_replicas: dict[int, str]  # replica -> why: "timeout" (silent past the deadline) or "broken"
     rpc_seconds: float
+
+
+@dataclass
+class _Exchange:
+    """One replica's part of a step on its way: the SessionSteps sent and the rows they fill."""
+
+    steps: list[gpb.SessionStep]
+    rows: list[int]  # index into the step's GrammarRows per step (-1: a close)
+    bitmask_rows: list[int]
 
 
 class PendingStep:
     """A step on its way: one task per replica writes its StepRequest and reads the answer."""
 
-    def __init__(self, tier: "GrammarTier", parts: dict[int, list[int]], rows: list[GrammarRow], sent_at: float,
-                 bitmask: np.ndarray):
+    def __init__(self, tier: "GrammarTier", parts: dict[int, _Exchange], num_rows: int, bitmask: np.ndarray):
         self._tier = tier
-        self._parts = parts  # replica -> indices into rows
-        self._rows = rows
-        self._sent_at = sent_at
-        self._tasks = {
-            replica: asyncio.ensure_future(tier._exchange(
-                replica, [rows[i].step for i in indices], bitmask, [max(rows[i].row, 0) for i in indices]))
-            for replica, indices in parts.items()}
+        self._parts = parts
+        self._num_rows = num_rows
+        self._sent_at = time.perf_counter()
+        self._tasks = {replica: asyncio.ensure_future(tier._exchange(replica, part, bitmask))
+                       for replica, part in parts.items()}
 
-    async def receive(self) -> StepResults:
-        out: list[gpb.SessionResult | BaseException | None] = [None] * len(self._rows)
-        sparse: list[SparseMask | None] = [None] * len(self._rows)
-        lost: set[int] = set()
-        answers = await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+    async def receive(self, timeout: float | None = None) -> StepResults:
+        """Every replica's answer; a replica that has not answered `timeout` seconds from now is lost."""
+        out: list[RowResult | None] = [None] * self._num_rows
+        lost: dict[int, str] = {}
         answered_at = self._sent_at
-        for replica, answer in zip(self._tasks, answers):
-            indices = self._parts[replica]
-            if not isinstance(answer, BaseException) and len(answer[0].results) != len(indices):
-                answer = ConnectionError(f"step answered {len(answer[0].results)} sessions, sent {len(indices)}")
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks.values(), timeout=timeout)
+            for task in late:
+                task.cancel()
+            # Cancelled tasks stop at their pending write or read; none touches the bitmask after this.
+            await asyncio.gather(*late, return_exceptions=True)
+        for replica, task in self._tasks.items():
+            part = self._parts[replica]
+            if task.cancelled():
+                answer: object = TimeoutError(f"no answer within the {timeout:g} s grammar step deadline")
+            else:
+                answer = task.exception() or task.result()
             if isinstance(answer, BaseException):
-                lost.add(replica)
+                lost[replica] = "timeout" if task.cancelled() else "broken"
                 exc = self._tier._lose(replica, answer)
-                for i in indices:
-                    out[i] = exc
+                for i in part.rows:
+                    if i >= 0:
+                        out[i] = RowResult(RowOutcome.LOST, error=exc)
                 continue
-            resp, forms, at = answer
+            results, at = answer
             answered_at = max(answered_at, at)
-            for i, result, form in zip(indices, resp.results, forms):
-                out[i] = result
-                sparse[i] = form
-        return StepResults(out, sparse, lost, answered_at - self._sent_at)
+            for i, result in zip(part.rows, results):
+                if i >= 0:
+                    out[i] = result
+        return StepResults(out, lost, answered_at - self._sent_at)
+
+
+def _row_result(result: gpb.SessionResult, sparse: SparseMask | None, wants_mask: bool) -> RowResult:
+    status = result.status
+    if status == gpb.SESSION_STATUS_OK:
+        if wants_mask and not result.mask.WhichOneof("encoding"):
+            return RowResult(RowOutcome.LOST, error=errors.UnavailableError(
+                f"grammar session {result.session_id}: the replica answered OK without a mask"))
+        return RowResult(RowOutcome.OK, sparse, tuple(result.jump_forward.forced_token_ids))
+    if status == gpb.SESSION_STATUS_TERMINATED:
+        return RowResult(RowOutcome.TERMINATED)
+    if status == gpb.SESSION_STATUS_REJECTED:
+        return RowResult(RowOutcome.REJECTED)
+    if status == gpb.SESSION_STATUS_CLOSED:
+        return RowResult(RowOutcome.OK)
+    message = f"grammar session: {result.error_message}"
+    if result.error_code == _NOT_FOUND:
+        # The replica forgot the session or its grammar (restart, idle expiry, eviction): rebuild it.
+        return RowResult(RowOutcome.LOST, error=errors.UnavailableError(message))
+    if result.error_code in _REQUEST_CODES:
+        return RowResult(RowOutcome.FAILED, error=error_for_code(result.error_code, message, errors.UnavailableError))
+    return RowResult(RowOutcome.FAILED, error=errors.UnavailableError(message))
+
+
+def _check_answer(resp: gpb.StepResponse, steps: list[gpb.SessionStep]) -> None:
+    """A response must answer exactly the sessions sent, in order: otherwise no row of it can be trusted."""
+    if len(resp.results) != len(steps):
+        raise GrammarProtocolError(f"step answered {len(resp.results)} sessions, sent {len(steps)}")
+    for sent, got in zip(steps, resp.results):
+        if got.session_id != sent.session_id:
+            raise GrammarProtocolError(
+                f"step answered session {got.session_id} where session {sent.session_id} was sent")
 
 
 class GrammarTier:
     def __init__(self, targets: tuple[str, ...], tokenizer: TokenizerDescription, compile_timeout_seconds: float = 0.0,
-                 *, write_sparse_rows: bool = True):
+                 *, write_sparse_rows: bool = True, step_timeout_seconds: float = DEFAULT_STEP_TIMEOUT_SECONDS):
         # False when masks are applied from their id lists (logits on the CPU): their bitmask rows stay unwritten.
         self.write_sparse_rows = write_sparse_rows
-        self._replicas: list[_Replica] = []
+        self.step_timeout_seconds = step_timeout_seconds
+        self._replicas: dict[int, _Replica] = {}
+        self._replica_ids = itertools.count()
         # dns:///name:port is a set of replicas (a headless Service): one per address, re-resolved by maintain().
         self._dns_names = [t for t in targets if t.startswith(DNS_SCHEME)]
         for t in targets:
             if not t.startswith(DNS_SCHEME):
                 self._add(t)
-        self._resolve()
+        for name, addresses in self._lookup_all().items():
+            self._apply_resolution(name, addresses)
         self.tokenizer = tokenizer
         self.compile_timeout_seconds = compile_timeout_seconds
         self._session_ids = itertools.count(1)
 
-    def _add(self, target: str) -> None:
-        if all(r.client.target != target for r in self._replicas):
-            self._replicas.append(_Replica(len(self._replicas), GrammarClient(target)))
+    def _add(self, target: str, dns_name: str | None = None) -> None:
+        if all(r.client.target != target or r.retired for r in self._replicas.values()):
+            rid = next(self._replica_ids)
+            self._replicas[rid] = _Replica(rid, GrammarClient(target), dns_name)
 
-    def _resolve(self) -> None:
-        """Adds a replica for every address the dns:/// targets resolve to now (vanished ones fail and stay down)."""
+    def _lookup_all(self) -> dict[str, set[str]]:
+        """The addresses each dns:/// target resolves to now (blocking; names that fail to resolve are left out)."""
+        resolved = {}
         for name in self._dns_names:
             host, _, port = name[len(DNS_SCHEME):].rpartition(":")
             try:
                 infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError) as e:  # the DNS server's or the operator's: keep what we have
                 log.warning("cannot resolve grammar target %s: %s", name, e)
                 continue
-            for family, _, _, _, addr in infos:
-                self._add(f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}")
+            addresses = {f"[{a[0]}]:{a[1]}" if family == socket.AF_INET6 else f"{a[0]}:{a[1]}"
+                         for family, _, _, _, a in infos}
+            if addresses:  # an empty answer is a lookup that failed, not a tier of zero replicas
+                resolved[name] = addresses
+        return resolved
+
+    def _apply_resolution(self, name: str, addresses: set[str]) -> None:
+        """One replica per address; replicas whose address is gone are retired, not redialled."""
+        for r in list(self._replicas.values()):
+            if r.dns_name == name and not r.retired and r.client.target not in addresses:
+                log.warning("grammar replica %s left %s: dropped", r.client.target, name)
+                r.retired = True
+                r.registered = False
+                self._forget_if_unused(r)
+        for address in sorted(addresses):
+            self._add(address, name)
+
+    def _forget_if_unused(self, r: _Replica) -> None:
+        if r.retired and r.sessions == 0 and r.stream is None:
+            del self._replicas[r.id]
+            asyncio.ensure_future(r.client.close())
 
     async def maintain(self, interval_seconds: float = 5.0) -> None:
         """Forever: re-resolves dns:/// targets and hands the tokenizer to replicas that lack it."""
         while True:
             await asyncio.sleep(interval_seconds)
-            await self.connect(timeout=min(interval_seconds, 5.0))
+            try:
+                await self.connect(timeout=min(interval_seconds, 5.0))
+            except Exception:  # noqa: BLE001 - a replica's or DNS's failure; the next round tries again
+                log.exception("grammar tier maintenance failed")
 
     @property
     def targets(self) -> list[str]:
-        return [r.client.target for r in self._replicas]
+        return [r.client.target for r in self._replicas.values() if not r.retired]
 
     def target(self, replica: int) -> str:
         return self._replicas[replica].client.target
@@ -170,96 +283,171 @@ class GrammarTier:
         """Registers the tokenizer with every replica not yet registered (dns:/// targets re-resolved first);
         returns how many are."""
         if self._dns_names:
-            await asyncio.to_thread(self._resolve)
+            for name, addresses in (await asyncio.to_thread(self._lookup_all)).items():
+                self._apply_resolution(name, addresses)
 
         async def one(r: _Replica) -> None:
-            if r.registered:
+            if r.registered or r.retired:
                 return
             try:
                 await r.client.register_tokenizer(self.tokenizer, timeout=timeout)
                 r.registered = True
-            except grpc.aio.AioRpcError as e:
+            except grpc.aio.AioRpcError as e:  # the replica's: it stays down until it answers
                 log.debug("grammar replica %s not reachable: %s", r.client.target, e.details())
 
-        await asyncio.gather(*(one(r) for r in self._replicas))
-        return sum(r.registered for r in self._replicas)
+        await asyncio.gather(*(one(r) for r in list(self._replicas.values())))
+        return sum(r.registered for r in self._replicas.values())
 
     def new_session_id(self) -> int:
         return next(self._session_ids)
 
-    async def compile(self, spec: gpb.GrammarSpec) -> tuple[int, str]:
-        """(replica, grammar id) for a constraint, on the least-loaded registered replica."""
-        candidates = [r for r in self._replicas if r.registered] or self._replicas
-        r = min(candidates, key=lambda r: r.sessions)
-        try:
-            if not r.registered:
-                await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
-                r.registered = True
-            resp = await r.client.compile(self.tokenizer.fingerprint, spec, self.compile_timeout_seconds)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                # The replica restarted and forgot the tokenizer: hand it over again next time.
+    def _pick(self, exclude: set[int]) -> _Replica | None:
+        live = [r for r in self._replicas.values() if not r.retired and r.id not in exclude]
+        candidates = [r for r in live if r.registered] or live
+        return min(candidates, key=lambda r: r.sessions) if candidates else None
+
+    async def compile(self, session: GrammarSession) -> None:
+        """Compiles the session's constraint on the least-loaded registered replica and places the session
+        there (opened with the next step). A replica that answers UNAVAILABLE (or forgot the tokenizer) is
+        marked unregistered and the compile is tried once more on another one."""
+        tried: set[int] = set()
+        while True:
+            r = self._pick(tried)
+            if r is None:
+                raise errors.UnavailableError("no grammar replica is available; retry later")
+            tried.add(r.id)
+            try:
+                if not r.registered:
+                    await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
+                    r.registered = True
+                resp = await r.client.compile(self.tokenizer.fingerprint, session.spec, self.compile_timeout_seconds)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _RETRY_ELSEWHERE:
+                    raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
+                # The replica's: it is down or restarted without the tokenizer; maintain() re-registers it.
                 r.registered = False
-            raise compile_error(e, r.client.target) from None
+                if len(tried) >= 2:
+                    raise compile_error(e, r.client.target) from None
+                log.warning("grammar replica %s: compile failed with %s; trying another replica",
+                            r.client.target, e.code().name)
+                continue
+            break
         for w in resp.warnings:
             log.info("grammar %s: %s", resp.grammar_id[:12], w)
         r.sessions += 1
-        return r.index, resp.grammar_id
+        session.placed_on(r.id, resp.grammar_id, self.new_session_id())
 
-    def release(self, replica: int, session_id: int | None) -> None:
-        """A request is done with its replica; its open session is closed with the next step."""
-        r = self._replicas[replica]
-        r.sessions = max(0, r.sessions - 1)
-        if session_id is not None and r.stream is not None:
-            r.pending_closes.append(session_id)
+    def release(self, session: GrammarSession) -> None:
+        """A request is done with its replica (finished, or its session is to be rebuilt elsewhere):
+        its open session is closed with the next step."""
+        r = self._replicas.get(session.replica)
+        if r is not None:
+            r.sessions = max(0, r.sessions - 1)
+            if session.open and r.stream is not None:
+                r.pending_closes.append(session.session_id)
+            self._forget_if_unused(r)
+        session.released()
 
     def has_pending_closes(self) -> bool:
-        return any(r.pending_closes for r in self._replicas)
+        return any(r.pending_closes for r in self._replicas.values())
 
     def send(self, rows: list[GrammarRow], bitmask: np.ndarray) -> PendingStep:
         """Starts one StepRequest per replica with rows (plus pending closes); returns before any answer.
 
-        Writing, reading and decoding the masks into `bitmask` (row GrammarRow.row)
-        run as tasks, so the caller launches its forward pass at once and all of
-        it overlaps the forward. The caller must not touch those rows until receive().
+        Each row's session tells the grammar what it has not been told yet (its
+        pending tokens, and opens the session the first time). Writing, reading
+        and decoding the masks into `bitmask` (row GrammarRow.row) run as tasks,
+        so the caller launches its forward pass at once and all of it overlaps the
+        forward. The caller must not touch those rows until receive().
         """
-        parts: dict[int, list[int]] = {}
-        rows = list(rows)
-        for r in self._replicas:
-            for sid in r.pending_closes:
-                rows.append(GrammarRow(r.index, gpb.SessionStep(session_id=sid, close=True), -1))
-            r.pending_closes.clear()
+        parts: dict[int, _Exchange] = {}
         for i, row in enumerate(rows):
-            parts.setdefault(row.replica, []).append(i)
-        return PendingStep(self, parts, rows, time.perf_counter(), bitmask)
+            s = row.session
+            step = gpb.SessionStep(session_id=s.session_id, accept_token_ids=s.pending_accept,
+                                   jump_forward=s.jump_forward and bool(s.pending_accept))
+            if not s.open:
+                step.open.grammar_id = s.grammar_id
+                s.open = True
+            s.pending_accept = []
+            part = parts.setdefault(s.replica, _Exchange([], [], []))
+            part.steps.append(step)
+            part.rows.append(i)
+            part.bitmask_rows.append(row.row)
+        for r in self._replicas.values():
+            if r.pending_closes:
+                part = parts.setdefault(r.id, _Exchange([], [], []))
+                for sid in r.pending_closes:
+                    part.steps.append(gpb.SessionStep(session_id=sid, close=True))
+                    part.rows.append(-1)
+                    part.bitmask_rows.append(0)
+                r.pending_closes.clear()
+        return PendingStep(self, parts, len(rows), bitmask)
 
-    async def _exchange(self, replica: int, steps: list[gpb.SessionStep], bitmask: np.ndarray, rows: list[int]):
-        """(response, its masks' sparse forms, when decoded) for one replica's part of a step."""
-        r = self._replicas[replica]
+    async def _exchange(self, replica: int, part: _Exchange, bitmask: np.ndarray) -> tuple[list[RowResult], float]:
+        """One replica's part of a step: its rows' results (masks decoded into the bitmask), and when."""
+        r = self._replicas.get(replica)
+        if r is None or r.retired:
+            raise ConnectionError("the replica's address left DNS")
         if r.stream is None:
             r.stream = r.client.open_stream(self.tokenizer.vocab_size, write_sparse_rows=self.write_sparse_rows)
         stream = r.stream
+        steps = part.steps
+        early = await self._catch_up(stream, steps)
         await stream.write(steps)
-        resp = await asyncio.wait_for(stream.read(), STEP_TIMEOUT_SECONDS)
+        resp = await stream.read()
+        _check_answer(resp, steps)
         forms: list[SparseMask | None] = []
-        if len(resp.results) == len(steps):
-            decode_masks(resp, stream.decoder, bitmask, rows, forms)
-        return resp, forms, time.perf_counter()
+        decode_masks(resp, stream.decoder, bitmask, part.bitmask_rows, forms)
+        results = [early.get(k) or _row_result(res, form, wants_mask=not step.close)
+                   for k, (step, res, form) in enumerate(zip(steps, resp.results, forms))]
+        return results, time.perf_counter()
+
+    async def _catch_up(self, stream: StepStream, steps: list[gpb.SessionStep]) -> dict[int, RowResult]:
+        """Sends the head of every token run too long for one message (a replay) ahead of the step, in as
+        many messages as it takes, trimming `steps` to what is left. Returns the rows that failed on the
+        way (their step is reduced to a no-op; the failure is their result)."""
+        early: dict[int, RowResult] = {}
+        while True:
+            long = [k for k, s in enumerate(steps) if len(s.accept_token_ids) > MAX_ACCEPT_PER_MESSAGE and k not in early]
+            if not long:
+                return early
+            head = []
+            for k in long:
+                s = steps[k]
+                h = gpb.SessionStep(session_id=s.session_id, skip_mask=True,
+                                    accept_token_ids=s.accept_token_ids[:MAX_ACCEPT_PER_MESSAGE])
+                if s.HasField("open"):
+                    h.open.CopyFrom(s.open)
+                    s.ClearField("open")
+                del s.accept_token_ids[:MAX_ACCEPT_PER_MESSAGE]
+                head.append(h)
+            await stream.write(head)
+            resp = await stream.read()
+            _check_answer(resp, head)
+            for k, res in zip(long, resp.results):
+                result = _row_result(res, None, wants_mask=False)
+                if result.outcome is not RowOutcome.OK:
+                    early[k] = result
+                    # Nothing more to tell this session; an empty no-mask step keeps the rows aligned.
+                    steps[k] = gpb.SessionStep(session_id=steps[k].session_id, skip_mask=True)
 
     def _lose(self, replica: int, cause: BaseException) -> errors.UnavailableError:
-        r = self._replicas[replica]
+        detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else (str(cause) or type(cause).__name__)
+        r = self._replicas.get(replica)
+        if r is None:
+            return errors.UnavailableError(f"grammar replica lost: {detail}")
         # New compiles avoid it until maintain() has handed it the tokenizer again.
         r.registered = False
         if r.stream is not None:
             r.stream.cancel()
             r.stream = None
         r.pending_closes.clear()  # the replica drops a broken stream's sessions itself
-        detail = cause.details() if isinstance(cause, grpc.aio.AioRpcError) else (str(cause) or type(cause).__name__)
         log.warning("grammar replica %s lost its step stream: %s", r.client.target, detail)
+        self._forget_if_unused(r)
         return errors.UnavailableError(f"grammar replica {r.client.target} lost the step stream: {detail}")
 
     async def close(self) -> None:
-        for r in self._replicas:
+        for r in self._replicas.values():
             if r.stream is not None:
                 r.stream.cancel()
             await r.client.close()

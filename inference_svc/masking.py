@@ -57,4 +57,11 @@ def apply_masks(logits: torch.Tensor, masked: Sequence[tuple[int, SparseMask | N
             row.index_fill_(0, torch.from_numpy(form.ids), NEG_INF)
             if row.shape[0] > vocab_size:
                 row[vocab_size:] = NEG_INF
-    return {i: form.ids for i, form in masked if form is not None and form.allow}
+    return {i: _below(form.ids, vocab_size) for i, form in masked if form is not None and form.allow}
+
+
+def _below(ids: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The sorted ids under vocab_size (ids past the tokenizer, in a padded LM head, are never sampled)."""
+    if ids.size and ids[-1] >= vocab_size:
+        return ids[:np.searchsorted(ids, vocab_size)]
+    return ids

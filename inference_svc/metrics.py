@@ -73,6 +73,19 @@ class InferenceMetrics:
             "inference_svc_grammar_replays_total",
             "Grammar sessions rebuilt on another replica by replaying their tokens (a replica was lost).",
             registry=r)
+        self.grammar_replica_losses = Counter(
+            "inference_svc_grammar_replica_losses_total",
+            "Grammar replica step streams given up: broken (or answering out of order), or silent past the step "
+            "deadline (timeout). Their requests are replayed on other replicas.",
+            ["reason"], registry=r)
+        self.step_failures = Counter(
+            "inference_svc_step_failures_total",
+            "Engine steps that failed as a whole (e.g. the forward raised): their requests failed, the loop went on.",
+            registry=r)
+        self.row_failures = Counter(
+            "inference_svc_row_failures_total",
+            "Requests failed alone by an error in the step loop (scheduling, sampling, decoding, no allowed token).",
+            registry=r)
         self.preemptions = Counter(
             "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
         # Children resolved once (a labels() lookup per token is measurable on the hot path); this also

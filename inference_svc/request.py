@@ -4,19 +4,28 @@ The token bookkeeping is one list and two counters, so that decodes, chunked
 prefill, jump-forward runs and preemption by recompute are the same thing:
 `all_ids` is prompt + output; the KV cache holds the first `num_computed` of
 them; the next forward feeds the rest (or a chunk of it). What the grammar
-has not been told yet is `pending_accept`.
+has not been told yet is `grammar.pending_accept`.
+
+Everything that tracks a request inside the engine (KV blocks, scheduler
+entries, grammar sessions) is keyed by `seq_id`, an id the engine assigns; the
+client's `request_id` is only for logs, so two requests that carry the same
+one (a client retrying with its own id) never share state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
+from inference_svc.grammar_session import GrammarSession
 from inference_svc.sampling import RowSampler, SamplingOptions
 from inference_svc.text_stream import TextStream
-from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
+
+# Process-wide, so ids never repeat across engines in one process (tests run several).
+_seq_ids = itertools.count(1)
 
 
 class FinishReason(enum.Enum):
@@ -60,21 +69,15 @@ class GenerationRequest:
     options: SamplingOptions
     sampler: RowSampler
     text: TextStream
-    spec: gpb.GrammarSpec | None = None  # None: unconstrained
-    jump_forward: bool = True
+    grammar: GrammarSession | None = None  # None: unconstrained
     arrival: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
 
     # Engine-owned state.
     phase: Phase = Phase.COMPILING
     all_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    grammar_id: str = ""
-    grammar_replica: int = -1
-    session_id: int = 0
-    session_open: bool = False
-    pending_accept: list[int] = field(default_factory=list)
     forced_tokens: int = 0
-    replays: int = 0  # times its grammar session was rebuilt on another replica
     cancelled: bool = False
     admitted_at: float | None = None
     grammar_ready_at: float | None = None
@@ -87,7 +90,7 @@ class GenerationRequest:
 
     @property
     def constrained(self) -> bool:
-        return self.spec is not None
+        return self.grammar is not None
 
     @property
     def num_prompt(self) -> int:

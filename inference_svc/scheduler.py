@@ -10,6 +10,10 @@ since a matcher's state does not depend on the KV cache).
 
 Requests whose grammar is still compiling are never here: the engine adds
 them to `waiting` only once it is ready, so no step waits on a compile.
+
+A request whose bookkeeping fails while it is scheduled leaves the scheduler
+(blocks freed) and is reported in `ScheduledStep.failed`: its failure is its
+own, the rest of the step goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class ScheduledChunk:
 class ScheduledStep:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[GenerationRequest, ...]
+    # Requests that could not be scheduled, with why; they are no longer in the scheduler.
+    failed: tuple[tuple[GenerationRequest, Exception], ...] = ()
 
     @property
     def batch(self) -> StepBatch:
@@ -52,6 +58,9 @@ class Scheduler:
         self.running: list[GenerationRequest] = []
 
     def add(self, req: GenerationRequest) -> None:
+        if req.phase is Phase.FINISHED:
+            # A request finished by an error handler (or cancelled) must never run again.
+            raise ValueError(f"request {req.request_id!r} (seq {req.seq_id}) is finished; it cannot be re-admitted")
         req.phase = Phase.WAITING
         self.waiting.append(req)
 
@@ -61,7 +70,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free(req.request_id)
+        self.blocks.free(req.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -70,22 +79,28 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[GenerationRequest] = []
+        failed: list[tuple[GenerationRequest, Exception]] = []
 
         # Running requests, oldest first; a request that cannot grow preempts the newest.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_uncomputed, budget)
-            if n <= 0:
-                i += 1
+            try:
+                n = min(req.num_uncomputed, budget)
+                if n <= 0:
+                    i += 1
+                    continue
+                while not self.blocks.can_allocate(req.seq_id, n) and self.running[-1] is not req:
+                    preempted.append(self._preempt(self.running[-1]))
+                if not self.blocks.can_allocate(req.seq_id, n):
+                    preempted.append(self._preempt(req))
+                    continue
+                self.blocks.extend(req.seq_id, n)
+                chunks.append(self._chunk(req, n))
+            except Exception as e:  # noqa: BLE001 - this request's bookkeeping is broken: it fails alone
+                failed.append((req, e))
+                self.remove(req)
                 continue
-            while not self.blocks.can_allocate(req.request_id, n) and self.running[-1] is not req:
-                preempted.append(self._preempt(self.running[-1]))
-            if not self.blocks.can_allocate(req.request_id, n):
-                preempted.append(self._preempt(req))
-                continue
-            self.blocks.extend(req.request_id, n)
-            chunks.append(self._chunk(req, n))
             budget -= n
             i += 1
 
@@ -96,12 +111,18 @@ class Scheduler:
             if not self.blocks.can_allocate(None, n):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(req.request_id, n)
+            try:
+                self.blocks.allocate(req.seq_id, n)
+                chunk = self._chunk(req, n)
+            except Exception as e:  # noqa: BLE001 - this request's bookkeeping is broken: it fails alone
+                failed.append((req, e))
+                self.blocks.free(req.seq_id)
+                continue
             req.phase = Phase.RUNNING
             self.running.append(req)
-            chunks.append(self._chunk(req, n))
+            chunks.append(chunk)
             budget -= n
-        return ScheduledStep(tuple(chunks), tuple(preempted))
+        return ScheduledStep(tuple(chunks), tuple(preempted), tuple(failed))
 
     def commit(self, step: ScheduledStep) -> None:
         """Marks the step's tokens as being in the KV cache (after its forward ran)."""
@@ -111,11 +132,11 @@ class Scheduler:
     def _chunk(self, req: GenerationRequest, n: int) -> ScheduledChunk:
         start = req.num_computed
         ids = tuple(req.all_ids[start:start + n])
-        return ScheduledChunk(req, SequenceChunk(req.request_id, ids, start, needs_logits=start + n == len(req.all_ids)))
+        return ScheduledChunk(req, SequenceChunk(req.seq_id, ids, start, needs_logits=start + n == len(req.all_ids)))
 
     def _preempt(self, req: GenerationRequest) -> GenerationRequest:
         self.running.remove(req)
-        self.blocks.free(req.request_id)
+        self.blocks.free(req.seq_id)
         req.num_computed = 0
         req.phase = Phase.WAITING
         self.waiting.appendleft(req)

@@ -3,7 +3,9 @@
 Health is NOT_SERVING until the model is loaded and at least one grammar
 replica has the tokenizer; on SIGTERM it turns NOT_SERVING, refuses new
 requests (UNAVAILABLE), lets running ones finish within the grace period and
-cancels the rest.
+cancels the rest. Should the engine's step loop ever end on its own, health
+turns NOT_SERVING at once and the process exits non-zero, so the orchestrator
+(Kubernetes, `structd up`) replaces it instead of routing to a dead engine.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class InferenceServer:
         self.metrics_port = 0
         self._metrics_http = None
         self._maintain: asyncio.Task | None = None
+        # Set when the engine died: serve() stops and exits non-zero.
+        self.failed = asyncio.Event()
 
     async def start(self, grammar_connect_timeout: float = 600.0) -> None:
         from shared.tokenizer import describe
@@ -123,8 +127,10 @@ class InferenceServer:
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
         view = await asyncio.to_thread(tokenizer_view, tok, eos_ids)
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
-                                   write_sparse_rows=runner.device.type != "cpu")
-        self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len)
+                                   write_sparse_rows=runner.device.type != "cpu",
+                                   step_timeout_seconds=c.grammar_step_timeout_seconds)
+        self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len,
+                             on_fatal=self._engine_died)
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
@@ -143,6 +149,11 @@ class InferenceServer:
         self.engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("inference service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
+
+    def _engine_died(self, cause: BaseException | None) -> None:
+        log.critical("the engine stopped (%r): NOT_SERVING; the process exits so it is replaced", cause)
+        self.failed.set()
+        asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     async def _set_health(self, status) -> None:
         await self.health.set("", status)
@@ -224,8 +235,13 @@ async def serve(config: InferenceServiceConfig) -> None:
         start.result()
         print(f"inference service listening on {config.host}:{server.port} "
               f"(metrics http://{config.host}:{server.metrics_port}/metrics)", flush=True)
-        await stopped
+        failed = asyncio.create_task(server.failed.wait())
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
     else:
         start.cancel()
+    stopped.cancel()
     log.info("draining (grace %.1f s)", config.grace_seconds)
     await server.stop()
+    if server.failed.is_set():
+        raise SystemExit("inference service stopped: its engine failed (see the log above)")

@@ -76,9 +76,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         try:
             options = sampling_options(request.sampling, engine.config, engine.max_model_len)
             spec = grammar_spec(request.constraint)
-            req = engine.submit(request.prompt, options, spec,
-                                jump_forward=not request.constraint.disable_jump_forward,
-                                request_id=request.request_id)
+            req = await engine.submit(request.prompt, options, spec,
+                                      jump_forward=not request.constraint.disable_jump_forward,
+                                      request_id=request.request_id)
         except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
             await abort(context, e)
             return

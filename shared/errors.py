@@ -18,6 +18,14 @@ class InvalidGrammarError(InvalidRequestError):
     """A constraint that does not parse or cannot be satisfied."""
 
 
+class NoAllowedTokenError(InvalidGrammarError):
+    """At some position the constraint allows no token the model can produce (or the model's logits are broken)."""
+
+
+class GrammarCrashError(InvalidGrammarError):
+    """A constraint under which the grammar compiler crashed repeatedly: refused, retrying cannot help."""
+
+
 class LimitExceededError(StructdError):
     """A configured size or count limit (spec bytes, live sessions, queue)."""
 

@@ -31,6 +31,18 @@ STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
 }
 
 
+# Status code number (google.rpc.Code, as the grammar tier reports per-session errors) -> the exception
+# to raise on this side: the first class the table maps to that code.
+_ERROR_FOR_CODE: dict[int, type[errors.StructdError]] = {}
+for _cls, _code in STATUS_TABLE.items():
+    _ERROR_FOR_CODE.setdefault(_code.value[0], _cls)
+
+
+def error_for_code(code: int, message: str, default: type[errors.StructdError]) -> errors.StructdError:
+    """The domain error for a status code received from another service (the inverse of the table)."""
+    return _ERROR_FOR_CODE.get(code, default)(message)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(status code, client-facing message) for an exception."""
     for cls in type(exc).__mro__:

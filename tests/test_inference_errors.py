@@ -95,9 +95,12 @@ def _free_port() -> int:
 
 def test_waiting_queue_limit_is_resource_exhausted(simulated):
     engine = simulated.server.engine
-    long = [background_complete(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True) for i in range(3)]
-    # One runs (max_num_seqs=1), two wait (max_waiting=2): the next is refused.
-    wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == 3, "three requests admitted")
+    # One runs (max_num_seqs=1), two wait (max_waiting=2): the next is refused. One at a time, since
+    # a request still being tokenized counts as waiting too.
+    long = []
+    for i in range(3):
+        long.append(background_complete(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True))
+        wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == i + 1, f"request {i + 1} admitted")
     with InferenceClient(simulated.target) as client, pytest.raises(InferenceError) as err:
         client.complete("one too many", max_tokens=2)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

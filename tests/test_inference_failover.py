@@ -49,7 +49,7 @@ def test_lost_replica_is_replayed_on_another(two_replica_server, replicas):
 
     def decoding():
         reqs = [r for r in engine.scheduler.running if r.constrained and r.num_output >= 10]
-        return reqs[0].grammar_replica if reqs else None
+        return reqs[0].grammar.replica if reqs else None
 
     wait_until(lambda: server.run_sync(decoding) is not None, "the request is decoding")
     replica = server.run_sync(decoding)

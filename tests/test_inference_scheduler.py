@@ -37,7 +37,7 @@ def test_chunked_prefill_then_decode():
     assert [(c.chunk.start_pos, len(c.chunk.token_ids), c.chunk.needs_logits) for c in s2.chunks] == [(6, 4, True)]
     s3 = _run_step(sched)
     assert [(c.chunk.start_pos, c.chunk.token_ids) for c in s3.chunks] == [(10, (7,))]
-    assert sched.blocks.num_tokens("a") == 11
+    assert sched.blocks.num_tokens(a.seq_id) == 11
 
 
 def test_running_requests_go_first_and_admissions_fill_the_budget():
@@ -100,3 +100,42 @@ def test_edge_prompt_lengths(prompt_len):
     sched.add(a)
     step = _run_step(sched)
     assert step.chunks[0].chunk.needs_logits and len(step.chunks[0].chunk.token_ids) == prompt_len
+
+
+def test_same_client_id_twice_gets_two_sequences():
+    """A client retrying with its own request_id: each request owns its KV blocks (keyed by seq_id)."""
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    first, second = _req("retry-me", 6), _req("retry-me", 6)
+    sched.add(first)
+    sched.add(second)
+    step = _run_step(sched)
+    assert {s.request.seq_id for s in step.chunks} == {first.seq_id, second.seq_id}
+    assert first.seq_id != second.seq_id
+    sched.remove(first)
+    assert second.seq_id in blocks and first.seq_id not in blocks
+    assert blocks.num_tokens(second.seq_id) == 6
+    assert [s.request for s in _run_step(sched).chunks] == [second]
+
+
+def test_a_request_whose_bookkeeping_breaks_fails_alone():
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    good, bad = _req("good", 3), _req("bad", 3)
+    sched.add(good)
+    sched.add(bad)
+    _run_step(sched)
+    blocks.free(bad.seq_id)  # its blocks vanish under it: extending it now raises inside schedule()
+    step = sched.schedule()
+    assert [s.request for s in step.chunks] == [good]
+    assert [r for r, _ in step.failed] == [bad] and isinstance(step.failed[0][1], KeyError)
+    assert bad not in sched.running and good in sched.running
+
+
+def test_a_finished_request_is_never_readmitted():
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    a = _req("a", 3)
+    a.phase = Phase.FINISHED
+    with pytest.raises(ValueError, match="finished"):
+        sched.add(a)
+    assert not sched.has_work()

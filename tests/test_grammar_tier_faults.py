@@ -1,0 +1,231 @@
+"""Grammar tier faults as the inference service meets them: dead and hung replicas, long replays,
+compiles on a replica that went away, addresses that leave DNS, and answers that do not match.
+
+Replicas that must be killed or frozen run as real `structd grammar` processes
+(SIGKILL, SIGSTOP); the rest run in-process on loopback. After every fault the
+requests that could be served finished with valid output, and nothing is left
+in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+
+import pytest
+
+from inference_svc.grammar_session import GrammarSession
+from inference_svc.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, GrammarProtocolError, GrammarRow, GrammarTier,
+                                        RowOutcome, _check_answer, _row_result)
+from shared.child_service import ChildService
+from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
+from shared.inference_client import InferenceClient
+from tests.conftest import InferenceServerThread, background_complete, start_grammar_server, wait_until
+
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
+STEP_TIMEOUT_SECONDS = 0.5
+
+
+def _valid_digits(text: str) -> bool:
+    values = json.loads(text)
+    return len(values) == 40 and all(0 <= v <= 9 for v in values)
+
+
+@pytest.mark.parametrize("fault", [pytest.param(signal.SIGKILL, id="sigkill"),
+                                   pytest.param(signal.SIGSTOP, id="sigstop-hung")])
+def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
+    """Eight constrained requests; one of their two replicas is killed or frozen mid-generation: every request
+    finishes valid on the other one, and a frozen replica is given up after the step deadline, not 30 s."""
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    replicas = [ChildService(["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log") for i in range(2)]
+    srv = None
+    try:
+        cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
+                                     grammar_targets=tuple(r.target for r in replicas), simulate_step_ms=10.0,
+                                     grammar_step_timeout_seconds=STEP_TIMEOUT_SECONDS,
+                                     engine=EngineConfig(max_num_seqs=8, default_max_tokens=200))
+        srv = InferenceServerThread(cfg)
+        engine = srv.server.engine
+        jobs = [background_complete(srv.target, prompt=f"digits {i}", json_schema=DIGITS, max_tokens=200,
+                                    temperature=1.0, seed=i) for i in range(8)]
+
+        def placed():
+            reqs = [r for r in engine.scheduler.running if r.constrained and r.num_output >= 5]
+            return {r.grammar.replica for r in reqs} if len(reqs) >= 4 else set()
+
+        wait_until(lambda: srv.run_sync(placed), "requests decoding")
+        victim_index = next(iter(srv.run_sync(placed)))
+        victim = next(r for r in replicas if r.target == engine.grammar.target(victim_index))
+        os.kill(victim.proc.pid, fault)
+        for t, box in jobs:
+            t.join(120)
+            assert "err" not in box, box.get("err")
+            assert box["out"].finish_reason == "stop" and _valid_digits(box["out"].text)
+        get = srv.server.metrics.registry.get_sample_value
+        assert get("inference_svc_grammar_replays_total") >= 1
+        reason = "timeout" if fault == signal.SIGSTOP else "broken"
+        assert get("inference_svc_grammar_replica_losses_total", {"reason": reason}) >= 1
+        wait_until(lambda: srv.run_sync(lambda: engine.num_active) == 0, "requests left in the engine")
+        assert srv.run_sync(lambda: engine.runner.block_manager.usage_ratio) == 0.0
+        with InferenceClient(srv.target) as client:
+            assert _valid_digits(client.complete("after", json_schema=DIGITS, max_tokens=200).text)
+        if fault == signal.SIGSTOP:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    finally:
+        if srv is not None:
+            srv.stop()
+        for r in replicas:
+            if r.proc.poll() is None:
+                os.kill(r.proc.pid, signal.SIGCONT)
+            r.stop()
+
+
+# ------------------------------------------------------------------ the tier against real replicas
+
+def _letter_token(hf_tokenizer) -> int:
+    ids = hf_tokenizer.encode("a", add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_replay_of_thousands_of_tokens_is_split(grammar_server, tokenizer_desc, hf_tokenizer):
+    """A session rebuilt from 5,000 accepted tokens (more than one message may carry) opens and masks."""
+    a = _letter_token(hf_tokenizer)
+    n = 5_000
+    assert n > 2 * MAX_ACCEPT_PER_MESSAGE
+
+    async def go():
+        tier = GrammarTier((grammar_server.target,), tokenizer_desc, step_timeout_seconds=30.0)
+        try:
+            assert await tier.connect() == 1
+            session = GrammarSession(gpb.GrammarSpec(ebnf=gpb.Ebnf(grammar='root ::= [a-z]* "."')))
+            await tier.compile(session)
+            session.rebuild_from([a] * n)
+            bitmask = _bitmask(tokenizer_desc.vocab_size)
+            first = (await tier.send([GrammarRow(session, 0)], bitmask).receive(30.0)).rows[0]
+            # Then one more token the grammar must still refuse (a digit): the session really holds all 5,000.
+            session.pending_accept = hf_tokenizer.encode("7", add_special_tokens=False)
+            second = (await tier.send([GrammarRow(session, 0)], bitmask).receive(30.0)).rows[0]
+            return first, second
+        finally:
+            await tier.close()
+
+    first, second = asyncio.run(go())
+    assert first.outcome is RowOutcome.OK, first
+    assert second.outcome is RowOutcome.REJECTED
+
+
+def test_replay_that_fails_midway_reports_that_row(grammar_server, tokenizer_desc, hf_tokenizer):
+    """A replayed run that the grammar refuses in its first message comes back as that row's REJECTED."""
+    a = _letter_token(hf_tokenizer)
+    digit = hf_tokenizer.encode("7", add_special_tokens=False)
+
+    async def go():
+        tier = GrammarTier((grammar_server.target,), tokenizer_desc, step_timeout_seconds=30.0)
+        try:
+            await tier.connect()
+            bad = GrammarSession(gpb.GrammarSpec(ebnf=gpb.Ebnf(grammar='root ::= [a-z]* "."')))
+            good = GrammarSession(gpb.GrammarSpec(ebnf=gpb.Ebnf(grammar='root ::= [a-z]* "."')))
+            await tier.compile(bad)
+            await tier.compile(good)
+            bad.rebuild_from(digit + [a] * (MAX_ACCEPT_PER_MESSAGE + 10))
+            good.rebuild_from([a] * 3)
+            bitmask = _bitmask(tokenizer_desc.vocab_size, rows=2)
+            return (await tier.send([GrammarRow(bad, 0), GrammarRow(good, 1)], bitmask).receive(30.0)).rows
+        finally:
+            await tier.close()
+
+    bad, good = asyncio.run(go())
+    assert bad.outcome is RowOutcome.REJECTED
+    assert good.outcome is RowOutcome.OK
+
+
+def test_compile_on_a_replica_gone_unavailable_moves_to_another(tokenizer_desc):
+    live = start_grammar_server()
+    try:
+        async def go():
+            tier = GrammarTier((f"127.0.0.1:{_stopped_port()}", live.target), tokenizer_desc)
+            try:
+                await tier.connect()
+                # Pretend the first was registered before it went away: it is the one a compile picks first.
+                first = next(iter(tier._replicas.values()))
+                first.registered = True
+                session = GrammarSession(gpb.GrammarSpec(regex="[0-9]{3}"))
+                await tier.compile(session)
+                return tier.target(session.replica), first.registered
+            finally:
+                await tier.close()
+
+        target, first_registered = asyncio.run(go())
+        assert target == live.target
+        assert first_registered is False  # marked down until it answers again
+    finally:
+        live.stop()
+
+
+def test_addresses_that_leave_dns_are_dropped(grammar_server, tokenizer_desc, monkeypatch):
+    port = int(grammar_server.target.rsplit(":", 1)[1])
+    answers = {"now": ["127.0.0.1", "127.0.0.2"]}
+
+    def fake_getaddrinfo(host, p, *args, **kwargs):
+        if host != "grammar.test":
+            raise socket.gaierror(f"unknown host {host}")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, p)) for a in answers["now"]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+
+    async def go():
+        tier = GrammarTier((f"dns:///grammar.test:{port}",), tokenizer_desc)
+        try:
+            before = sorted(tier.targets)
+            answers["now"] = ["127.0.0.1"]
+            await tier.connect(timeout=2.0)
+            after = sorted(tier.targets)
+            answers["now"] = []
+            await tier.connect(timeout=2.0)  # a failed lookup keeps what there is
+            return before, after, sorted(tier.targets), len(tier._replicas)
+        finally:
+            await tier.close()
+
+    before, after, kept, num = asyncio.run(go())
+    assert before == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+    assert after == kept == [f"127.0.0.1:{port}"]
+    assert num == 1  # the dropped replica held no session: it is gone, not redialled
+
+
+# ------------------------------------------------------------------ answers are checked, not trusted
+
+def test_an_answer_for_another_session_is_a_protocol_error():
+    sent = [gpb.SessionStep(session_id=1), gpb.SessionStep(session_id=2)]
+    swapped = gpb.StepResponse(results=[gpb.SessionResult(session_id=2), gpb.SessionResult(session_id=1)])
+    with pytest.raises(GrammarProtocolError, match="answered session 2 where session 1"):
+        _check_answer(swapped, sent)
+    short = gpb.StepResponse(results=[gpb.SessionResult(session_id=1)])
+    with pytest.raises(GrammarProtocolError, match="answered 1 sessions, sent 2"):
+        _check_answer(short, sent)
+    _check_answer(gpb.StepResponse(results=[gpb.SessionResult(session_id=1), gpb.SessionResult(session_id=2)]), sent)
+
+
+def test_ok_without_a_mask_is_not_used():
+    result = _row_result(gpb.SessionResult(session_id=4, status=gpb.SESSION_STATUS_OK), None, wants_mask=True)
+    assert result.outcome is RowOutcome.LOST and "without a mask" in str(result.error)
+    closed = _row_result(gpb.SessionResult(session_id=4, status=gpb.SESSION_STATUS_OK), None, wants_mask=False)
+    assert closed.outcome is RowOutcome.OK
+
+
+def _bitmask(vocab_size: int, rows: int = 1):
+    import numpy as np
+
+    from shared.codec import words_for_vocab
+
+    return np.zeros((rows, words_for_vocab(vocab_size)), dtype=np.int32)
+
+
+def _stopped_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
