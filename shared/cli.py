@@ -55,6 +55,13 @@ def _cmd_bench_e2e(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    from inference_svc.bench_soak import run_bench
+
+    _setup_logging(args.log_level)
+    return run_bench(args)
+
+
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     from grammar_svc import config as gconfig
     from inference_svc import config as iconfig
@@ -74,9 +81,10 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     iconfig.add_arguments(p, env)
     p.set_defaults(func=_cmd_inference)
 
-    p = sub.add_parser("up", help="run the services locally until SIGINT/SIGTERM",
+    p = sub.add_parser("up", help="run the services locally, restarting any that exits, until SIGINT/SIGTERM",
                        description="Start grammar replica(s) and the inference service locally, print where they "
-                                   "listen once all are SERVING, stop them cleanly on SIGINT/SIGTERM.")
+                                   "listen once all are SERVING, restart any that exits (exponential back-off, "
+                                   "same ports), stop them cleanly on SIGINT/SIGTERM.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="inference service gRPC port")
     p.add_argument("--metrics-port", type=int, default=9401, help="inference service /metrics port")
@@ -109,6 +117,15 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add_e2e_arguments(p)
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_cmd_bench_e2e)
+    p = bsub.add_parser("soak", help="soak: hundreds of streams with churn, cancels and grammar replica restarts",
+                        description="Soak the whole stack on the simulated runner: concurrent streams with churn, "
+                                    "client cancels and a grammar replica restarted periodically; reports requests "
+                                    "lost to faults, leaked sessions and KV blocks, RSS growth and throughput.")
+    from inference_svc.bench_soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(p)
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_cmd_bench_soak)
     return parser
 
 

@@ -1,0 +1,121 @@
+"""`structd bench soak` end to end in a very short run (not a timing test), and its pure parts.
+
+Through the CLI entry point: 16 streams for 12 s on the simulated runner, one
+grammar replica SIGKILLed at 6 s and started again on its port. Checks the
+JSON's structure and that its numbers are plausible (the books balance, KV
+blocks and grammar sessions all returned once the load stopped), the PNG and
+the markdown. The real soak and its numbers are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import signal
+
+import pytest
+
+from inference_svc import bench_soak, bench_soak_report
+from shared import cli
+
+
+def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, capsys):
+    rc = cli.main(["bench", "soak", "--out", str(tmp_path), "--duration-seconds", "12", "--streams", "16",
+                   "--restart-every-seconds", "6", "--max-tokens", "32", "--warmup-seconds", "4",
+                   "--sample-seconds", "1", "--progress-seconds", "5", "--settle-seconds", "20",
+                   "--request-timeout-seconds", "30"])
+    assert rc == 0
+    result = json.loads((tmp_path / "soak.json").read_text())
+    png = tmp_path / "soak.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    q = result["requests"]
+    assert q["completed"] > 16 and q["cancelled_by_client"] >= 0
+    assert q["started"] == q["completed"] + q["cancelled_by_client"] + q["lost"], q
+    assert q["lost"] == sum(q["lost_by_status"].values()) and set(q["lost_examples"]) <= set(q["lost_by_status"])
+    # Losses are what the soak measures (docs/benchmarks.md), but one restart must not lose most of the load.
+    assert q["lost"] < q["started"] / 2, q
+    assert set(q["by_kind"]) <= {"unconstrained", "json_schema", "regex", "choice"} and q["by_kind"]["unconstrained"]
+    assert set(q["finish_reasons"]) <= {"stop", "length", "stop_string", "cancelled", "error"}
+
+    [restart] = result["restarts"]
+    assert restart["replica"] == 1 and restart["signal"] == "SIGKILL" and restart["exit_code"] == -9
+    assert restart["restarted"] and 0 < restart["down_seconds"] < 120 and 5.5 < restart["t"] < 12
+
+    # Once the load has stopped, every KV block and grammar session is back.
+    e = result["end_state"]
+    assert e["kv_cache_usage_ratio"] == 0 and e["running"] == 0 and e["waiting"] == 0, e
+    assert e["leaked_sessions"] == 0 and e["grammar_active_sessions"] == [0, 0], e
+
+    r = result["rss"]
+    assert r["samples"] >= 5 and 50 < r["start_mib"] < 16384 and r["max_mib"] >= r["end_mib"]
+    assert r["warmup_seconds"] == 4 and r["growth_after_warmup_mib"] == pytest.approx(r["end_mib"] - r["after_warmup_mib"])
+    t = result["throughput"]
+    assert t["tokens"] > 0 and t["tokens_per_second_mean"] > 0 and t["load_seconds"] >= 12
+    load = [s for s in result["samples"] if not s.get("settle")]
+    assert len(load) >= 10 and any(s["tokens_per_second"] for s in load)
+    assert [s["t"] for s in result["samples"]] == sorted(s["t"] for s in result["samples"])
+    assert result["machine"]["logical_cpus"] >= 1 and result["inference_counters"]
+    assert result["faults_seen"] == bool(q["lost"])
+
+    out = capsys.readouterr()
+    assert "| requests lost to faults |" in out.out and "KILL r1 at 6 s" in out.out
+    assert len(re.findall(r"\] t=\d+ s: ", out.err)) >= 2 and "restart 1: SIGKILL to grammar replica 1" in out.err
+
+
+def test_restarts_alternate_replicas_and_each_replica_alternates_signals():
+    plan = [bench_soak.restart_plan(k) for k in range(6)]
+    assert plan == [(0, signal.SIGKILL), (1, signal.SIGTERM), (0, signal.SIGTERM), (1, signal.SIGKILL),
+                    (0, signal.SIGKILL), (1, signal.SIGTERM)]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_soak.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_workload_mixes_kinds_lengths_and_cancels():
+    args = _args("--min-tokens", "4", "--max-tokens", "40", "--cancel-fraction", "0.25")
+    rng = random.Random(1)
+    reqs = [bench_soak.next_request(rng, args) for _ in range(2000)]
+    kinds = {k: sum(r.kind == k for r in reqs) / len(reqs) for k in ("unconstrained", "json_schema", "regex", "choice")}
+    assert 0.35 < kinds["unconstrained"] < 0.45 and all(0.15 < kinds[k] < 0.25 for k in ("json_schema", "regex", "choice"))
+    assert 0.2 < sum(bool(r.cancel_after) for r in reqs) / len(reqs) < 0.3
+    assert {r.options["max_tokens"] for r in reqs} == set(range(4, 41))
+    assert all(r.cancel_after <= max(1, r.options["max_tokens"] // 2) for r in reqs)
+    assert len({r.options.get("regex") for r in reqs if r.kind == "regex"}) > 50  # distinct grammars: compiles
+    assert len({len(r.prompt.split()) for r in reqs}) > 40
+    # Same seed, same workload.
+    assert bench_soak.next_request(random.Random(1), args) == reqs[0]
+
+
+def test_outputs_are_checked_against_their_constraint():
+    choice = bench_soak.SoakRequest("choice", "p", {"choice": ["yes", "no"]}, 0)
+    assert choice.valid("yes") and not choice.valid("yes!")
+    regex = bench_soak.SoakRequest("regex", "p", {"regex": "[a-z]{3}-[0-9]{3,6}"}, 0)
+    assert regex.valid("abc-1234") and not regex.valid("abc-12")
+    schema = bench_soak.SoakRequest("json_schema", "p", {"json_schema": "{}"}, 0)
+    assert schema.valid('{"a":1}') and not schema.valid('{"a":')
+    assert bench_soak.SoakRequest("unconstrained", "p", {}, 0).valid("anything")
+
+
+def test_rss_growth_is_measured_after_warm_up():
+    mib = bench_soak_report.MIB
+    samples = [{"t": float(t), "rss_bytes": (100 + (50 if t < 10 else t)) * mib} for t in range(0, 61, 2)]
+    r = bench_soak_report.rss_figures(samples, warmup_seconds=10)
+    assert r["start_mib"] == 150 and r["after_warmup_mib"] == 110 and r["end_mib"] == 160
+    assert r["growth_after_warmup_mib"] == 50 and r["slope_after_warmup_mib_per_minute"] == pytest.approx(60.0)
+    rated = bench_soak_report.with_rates([{"t": 0.0, "tokens": 0, "completed": 0},
+                                          {"t": 2.0, "tokens": 100, "completed": 4}])
+    assert rated[0]["tokens_per_second"] is None and rated[1]["tokens_per_second"] == 50
+    assert rated[1]["completed_per_second"] == 2
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit, match="--min-tokens"):
+        bench_soak.check_arguments(_args("--min-tokens", "9", "--max-tokens", "4"))
+    with pytest.raises(SystemExit, match="simulated runner"):
+        bench_soak.check_arguments(_args("--simulate-step-ms", "0"))
