@@ -73,6 +73,8 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
         assert srv.run_sync(lambda: engine.runner.block_manager.usage_ratio) == 0.0
         with InferenceClient(srv.target) as client:
             assert _valid_digits(client.complete("after", json_schema=DIGITS, max_tokens=200).text)
+        survivor = next(r for r in replicas if r is not victim)
+        wait_until(lambda: _active_sessions(survivor) == 0, "sessions left open on the surviving replica", 15)
         if fault == signal.SIGSTOP:
             os.kill(victim.proc.pid, signal.SIGCONT)
     finally:
@@ -215,6 +217,13 @@ def test_ok_without_a_mask_is_not_used():
     assert result.outcome is RowOutcome.LOST and "without a mask" in str(result.error)
     closed = _row_result(gpb.SessionResult(session_id=4, status=gpb.SESSION_STATUS_OK), None, wants_mask=False)
     assert closed.outcome is RowOutcome.OK
+
+
+def _active_sessions(child: ChildService) -> float:
+    for line in child.metrics_text().splitlines():
+        if line.startswith("grammar_svc_active_sessions "):
+            return float(line.split()[1])
+    raise AssertionError("grammar_svc_active_sessions is not exported")
 
 
 def _bitmask(vocab_size: int, rows: int = 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import threading
 import time
 
@@ -48,12 +49,16 @@ def simulated(own_grammar):
     srv.stop()
 
 
-def _settled(server) -> None:
-    """Nothing in flight, no KV block held: what every test must leave behind."""
+def _settled(server, grammar=None) -> None:
+    """Nothing in flight, no KV block held, no grammar session open: what every test must leave behind."""
     engine = server.server.engine
     wait_until(lambda: server.run_sync(lambda: engine.num_active) == 0, "requests left in the engine")
     assert server.run_sync(lambda: engine.runner.block_manager.usage_ratio) == 0.0
     assert server.run_sync(lambda: len(engine.runner.block_manager)) == 0
+    if grammar is not None:
+        # Closes go out with the engine's next step (or its idle flush): give it a moment.
+        get = grammar.server.metrics.registry.get_sample_value
+        wait_until(lambda: get("grammar_svc_active_sessions") == 0, "grammar sessions left open", timeout=10)
 
 
 def _serves(server) -> None:
@@ -62,7 +67,7 @@ def _serves(server) -> None:
     assert out.finish_reason == "stop" and len(json.loads(out.text)) == 20
 
 
-def test_duplicate_request_ids_are_two_requests(simulated):
+def test_duplicate_request_ids_are_two_requests(simulated, own_grammar):
     """A client retrying with its own request_id: both run; cancelling one frees only its own blocks."""
     engine = simulated.server.engine
     stop_first = threading.Event()
@@ -92,11 +97,11 @@ def test_duplicate_request_ids_are_two_requests(simulated):
     assert "err" not in box, box.get("err")
     assert box["out"].finish_reason == "length" and len(box["out"].token_ids) == 300
     assert "e" not in first_err
-    _settled(simulated)
+    _settled(simulated, own_grammar)
     _serves(simulated)
 
 
-def test_a_request_whose_text_breaks_fails_alone(simulated):
+def test_a_request_whose_text_breaks_fails_alone(simulated, own_grammar):
     """A per-row failure after sampling (here its text decoding raises) fails that request, not the batch."""
     engine = simulated.server.engine
     victim_t, victim = background_complete(simulated.target, prompt="victim", max_tokens=200, ignore_eos=True)
@@ -120,7 +125,33 @@ def test_a_request_whose_text_breaks_fails_alone(simulated):
         t.join(60)
         assert "err" not in box, box.get("err")
         assert box["out"].finish_reason in ("length", "stop")
-    _settled(simulated)
+    _settled(simulated, own_grammar)
+
+
+def test_a_storm_of_cancels_leaves_nothing_behind(simulated, own_grammar):
+    """32 streams, half constrained, each dropped by its client after a few chunks (some before the first)."""
+    rng = random.Random(8)
+    plans = [(i, rng.randint(0, 6), i % 2 == 0) for i in range(32)]
+    errors_seen = []
+
+    def one(i, after, constrained):
+        kwargs = dict(json_schema=DIGITS) if constrained else dict(ignore_eos=True)
+        try:
+            with InferenceClient(simulated.target) as client:
+                for n, _ in enumerate(client.generate(f"storm {i}", max_tokens=200, **kwargs)):
+                    if n >= after:
+                        break
+        except InferenceError as e:
+            errors_seen.append(e)
+
+    threads = [threading.Thread(target=one, args=p, daemon=True) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors_seen, errors_seen
+    _settled(simulated, own_grammar)
+    _serves(simulated)
 
 
 def test_prompt_over_the_byte_limit_is_refused_before_tokenizing(simulated):
@@ -155,7 +186,7 @@ def test_prompts_are_tokenized_off_the_event_loop(simulated):
     assert threads and all(t is not loop_thread for t in threads)
 
 
-def test_a_request_failed_while_compiling_is_never_admitted(simulated):
+def test_a_request_failed_while_compiling_is_never_admitted(simulated, own_grammar):
     """An error handler finishes a request whose grammar is compiling: when the compile returns, it stays out."""
     engine = simulated.server.engine
     schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 30 + i} for i in range(3)},
@@ -175,7 +206,7 @@ def test_a_request_failed_while_compiling_is_never_admitted(simulated):
     wait_until(lambda: simulated.run_sync(lambda: not engine._compiling), "compile settled", timeout=60)
     time.sleep(0.2)
     assert simulated.run_sync(lambda: engine.scheduler.has_work()) is False
-    _settled(simulated)
+    _settled(simulated, own_grammar)
     _serves(simulated)
 
 
