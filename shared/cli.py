@@ -62,6 +62,13 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_bench_faults(args: argparse.Namespace) -> int:
+    from inference_svc.bench_faults import run_bench
+
+    _setup_logging(args.log_level)
+    return run_bench(args)
+
+
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     from grammar_svc import config as gconfig
     from inference_svc import config as iconfig
@@ -126,6 +133,14 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     add_soak_arguments(p)
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_cmd_bench_soak)
+    p = bsub.add_parser("faults", help="faults: latency of in-flight requests when a grammar replica is killed or hung",
+                        description="Constrained requests in flight while one of two grammar replicas is killed "
+                                    "(SIGKILL) or frozen (SIGSTOP): per-request latency, status and validity.")
+    from inference_svc.bench_faults import add_arguments as add_faults_arguments
+
+    add_faults_arguments(p)
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_cmd_bench_faults)
     return parser
 
 
