@@ -175,8 +175,7 @@ class Engine:
         The prompt is measured in bytes before it is tokenized, and tokenized on
         a worker thread: a huge prompt costs its own request time, not everyone's step.
         """
-        if self._draining or self.dead:
-            raise errors.UnavailableError("the inference service is draining; retry on another replica")
+        self._check_accepting()
         if not prompt:
             raise errors.InvalidRequestError("prompt is empty")
         prompt_bytes = len(prompt.encode("utf-8", "surrogatepass"))
@@ -194,8 +193,7 @@ class Engine:
             prompt_ids = list(await asyncio.to_thread(self.tok.encode, prompt))
         finally:
             self._tokenizing -= 1
-        if self._draining or self.dead:
-            raise errors.UnavailableError("the inference service is draining; retry on another replica")
+        self._check_accepting()  # again: it may have started draining while the prompt was tokenized
         if len(prompt_ids) + options.max_tokens > self.max_model_len:
             raise errors.InvalidRequestError(
                 f"prompt ({len(prompt_ids)} tokens) + sampling.max_tokens ({options.max_tokens}) exceeds the "
@@ -219,6 +217,12 @@ class Engine:
         else:
             self._start_compile(req)
         return req
+
+    def _check_accepting(self) -> None:
+        if self.dead:
+            raise errors.UnavailableError("the inference engine stopped; retry on another replica")
+        if self._draining:
+            raise errors.UnavailableError("the inference service is draining; retry on another replica")
 
     def cancel(self, req: GenerationRequest) -> None:
         """The client went away (or the server drains): free its KV and grammar session at the next step."""
