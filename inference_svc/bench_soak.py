@@ -11,11 +11,12 @@ and a --cancel-fraction of them is cancelled by the client part-way. Every
 alternating, and alternating replicas) and started again on its port.
 
 Measured: requests completed, requests lost to faults (any status other than
-OK or the client's own cancel, by status code; a constrained output that
-finished but does not match its constraint counts too), grammar sessions and
-KV blocks still held once the load has stopped and the services settled, the
-inference process's RSS over time and its growth after warm-up, and
-throughput over time. One progress line every --progress-seconds on stderr.
+OK or the client's own cancel, by status code, and streams the server ended
+with finish reason CANCELLED or ERROR), completed constrained outputs that do
+not satisfy their constraint (by reason), grammar sessions and KV blocks still
+held once the load has stopped and the services settled, the inference
+process's RSS over time and its growth after warm-up, and throughput over
+time. One progress line every --progress-seconds on stderr.
 
 Writes <out>/soak.json and <out>/soak.png, prints a markdown summary on stdout.
 """
@@ -111,19 +112,24 @@ class SoakRequest:
     options: dict
     cancel_after: int  # chunks received before the client cancels; 0: never
 
-    def valid(self, text: str) -> bool:
-        """Whether a completion that finished with STOP satisfies the constraint."""
+    def problem(self, text: str) -> str | None:
+        """Why a completion that finished with STOP does not satisfy its constraint; None when it does."""
         if self.kind == "json_schema":
             try:
                 json.loads(text)
             except ValueError:
-                return False
-            return True
-        if self.kind == "regex":
-            return re.fullmatch(self.options["regex"], text) is not None
-        if self.kind == "choice":
-            return text in self.options["choice"]
-        return True
+                try:
+                    json.loads(text, strict=False)
+                except ValueError:
+                    return "json_schema: not JSON"
+                # RFC 8259 forbids raw U+0000-U+001F inside strings; a lenient parser accepts them.
+                return "json_schema: raw control character in a string"
+            return None
+        if self.kind == "regex" and re.fullmatch(self.options["regex"], text) is None:
+            return "regex: no match"
+        if self.kind == "choice" and text not in self.options["choice"]:
+            return "choice: not one of the choices"
+        return None
 
 
 def next_request(rng: random.Random, args) -> SoakRequest:
@@ -295,18 +301,31 @@ class Tally:
     cancelled_by_client: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
     by_kind: Counter = field(default_factory=Counter)
-    lost: Counter = field(default_factory=Counter)  # status code (or FINISH_<reason>, INVALID_OUTPUT) -> requests
+    lost: Counter = field(default_factory=Counter)  # status code (or FINISH_<reason>, NO_FINISH) -> requests
     lost_examples: dict = field(default_factory=dict)  # code -> a few messages
     fault_times: list = field(default_factory=list)  # (seconds since start, code)
+    # Completed requests whose output does not satisfy their constraint (they count as completed too).
+    invalid: Counter = field(default_factory=Counter)  # reason -> requests
+    invalid_examples: dict = field(default_factory=dict)  # reason -> a few outputs
+    invalid_times: list = field(default_factory=list)  # (seconds since start, reason)
     tokens: int = 0
     in_flight: int = 0
 
     def fault(self, t: float, code: str, message: str) -> None:
         self.lost[code] += 1
         self.fault_times.append((round(t, 3), code))
-        examples = self.lost_examples.setdefault(code, [])
-        if len(examples) < 5:
-            examples.append(message[:300])
+        _example(self.lost_examples, code, message)
+
+    def invalid_output(self, t: float, reason: str, message: str) -> None:
+        self.invalid[reason] += 1
+        self.invalid_times.append((round(t, 3), reason))
+        _example(self.invalid_examples, reason, message)
+
+
+def _example(examples: dict, key: str, message: str) -> None:
+    kept = examples.setdefault(key, [])
+    if len(kept) < 5:
+        kept.append(message[:1000])
 
 
 async def one_request(client, req: SoakRequest, timeout: float, tally: Tally, t0: float) -> bool:
@@ -330,10 +349,11 @@ async def one_request(client, req: SoakRequest, timeout: float, tally: Tally, t0
                 if chunk.finish_reason in ("cancelled", "error"):
                     fault = (f"FINISH_{chunk.finish_reason.upper()}",
                              f"{req.kind}: the server ended the stream with finish_reason {chunk.finish_reason}")
-                elif chunk.finish_reason == "stop" and not req.valid("".join(texts)):
-                    fault = ("INVALID_OUTPUT", f"{req.kind} {req.options}: {''.join(texts)!r}")
                 else:
                     tally.completed += 1
+                    text = "".join(texts)
+                    if chunk.finish_reason == "stop" and (problem := req.problem(text)) is not None:
+                        tally.invalid_output(time.monotonic() - t0, problem, f"{text!r} for {req.options}")
                 break
             if req.cancel_after and chunks >= req.cancel_after:
                 tally.cancelled_by_client += 1

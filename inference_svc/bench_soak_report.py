@@ -35,19 +35,21 @@ def with_rates(samples: list[dict]) -> list[dict]:
 
 
 def rss_figures(load: list[dict], warmup_seconds: float) -> dict:
-    """RSS at the end of warm-up and of the load, growth in between, and the least-squares slope after warm-up."""
-    pts = [(s["t"], s["rss_bytes"]) for s in load if s["rss_bytes"]]
+    """RSS after warm-up and at the end of the load, each the median of a window (RSS swings by tens of MiB from
+    one sample to the next with the batch), the growth in between, and the least-squares slope after warm-up."""
+    pts = [(s["t"], s["rss_bytes"] / MIB) for s in load if s["rss_bytes"]]
     if not pts:
         return {"samples": 0}
     after = [(t, r) for t, r in pts if t >= warmup_seconds] or pts[-1:]
-    first, last = after[0], pts[-1]
-    out = {"samples": len(pts), "warmup_seconds": warmup_seconds, "start_mib": pts[0][1] / MIB,
-           "after_warmup_mib": first[1] / MIB, "end_mib": last[1] / MIB, "max_mib": max(r for _, r in pts) / MIB,
-           "growth_after_warmup_mib": (last[1] - first[1]) / MIB, "slope_after_warmup_mib_per_minute": None}
+    window = min(60.0, (after[-1][0] - after[0][0]) / 5)
+    first = float(np.median([r for t, r in after if t <= after[0][0] + window]))
+    last = float(np.median([r for t, r in after if t >= after[-1][0] - window]))
+    out = {"samples": len(pts), "warmup_seconds": warmup_seconds, "window_seconds": window, "start_mib": pts[0][1],
+           "after_warmup_mib": first, "end_mib": last, "max_mib": max(r for _, r in pts),
+           "growth_after_warmup_mib": last - first, "slope_after_warmup_mib_per_minute": None}
     if len(after) >= 3 and after[-1][0] > after[0][0]:
-        t = np.array([p[0] for p in after])
-        r = np.array([p[1] for p in after]) / MIB
-        out["slope_after_warmup_mib_per_minute"] = float(np.polyfit(t, r, 1)[0] * 60.0)
+        out["slope_after_warmup_mib_per_minute"] = float(
+            np.polyfit([t for t, _ in after], [r for _, r in after], 1)[0] * 60.0)
     return out
 
 
@@ -74,6 +76,8 @@ def summarize(args, run: dict) -> dict:
         "started": tally.started, "completed": tally.completed, "cancelled_by_client": tally.cancelled_by_client,
         "lost": sum(lost.values()), "lost_by_status": lost, "lost_examples": tally.lost_examples,
         "finish_reasons": dict(tally.finish_reasons), "by_kind": dict(tally.by_kind),
+        "invalid_outputs": sum(tally.invalid.values()), "invalid_outputs_by_reason": dict(sorted(tally.invalid.items())),
+        "invalid_output_examples": tally.invalid_examples,
         "completed_per_second": tally.completed / load_seconds if load_seconds else None,
     }
     restarts = run["restarts"]
@@ -89,6 +93,7 @@ def summarize(args, run: dict) -> dict:
                        "tokens_per_second_min_interval": min(rates) if rates else None,
                        "tokens_per_second_max_interval": max(rates) if rates else None},
         "fault_times": tally.fault_times,
+        "invalid_output_times": tally.invalid_times,
         "inference_counters": run["inference_counters"],
         "faults_seen": faults,
         "samples": samples,
@@ -102,6 +107,7 @@ def _fmt(x, spec: str = ".1f") -> str:
 def markdown(result: dict) -> str:
     q, e, r, tp = result["requests"], result["end_state"], result["rss"], result["throughput"]
     lost = ", ".join(f"{k} {v}" for k, v in q["lost_by_status"].items()) or "none"
+    invalid = ", ".join(f"{k}: {v}" for k, v in q["invalid_outputs_by_reason"].items()) or "none"
     kills = [f"{x['signal'].removeprefix('SIG')} r{x['replica']} at {x['t']:.0f} s (down {x['down_seconds']:.1f} s)"
              for x in result["restarts"]]
     lines = [f"## {result.get('title', 'structd bench soak')}", "",
@@ -109,11 +115,12 @@ def markdown(result: dict) -> str:
              f"| requests started / completed / cancelled by the client | {q['started']} / {q['completed']} / "
              f"{q['cancelled_by_client']} |",
              f"| requests lost to faults | {q['lost']} ({lost}) |",
+             f"| completed constrained outputs that break their constraint | {q['invalid_outputs']} ({invalid}) |",
              f"| grammar replica restarts | {len(result['restarts'])}: {'; '.join(kills) or 'none'} |",
              f"| grammar sessions left after the load | {e['grammar_active_sessions']} |",
              f"| KV cache usage after the load | {e['kv_cache_usage_ratio']} (idle after "
              f"{_fmt(e['seconds_to_idle'])} s) |",
-             f"| inference RSS: start / after warm-up / end / max (MiB) | {_fmt(r.get('start_mib'), '.0f')} / "
+             f"| inference RSS: start / after warm-up / end (medians over {_fmt(r.get('window_seconds'), '.0f')} s) / max (MiB) | {_fmt(r.get('start_mib'), '.0f')} / "
              f"{_fmt(r.get('after_warmup_mib'), '.0f')} / {_fmt(r.get('end_mib'), '.0f')} / "
              f"{_fmt(r.get('max_mib'), '.0f')} |",
              f"| RSS growth after warm-up ({_fmt(r.get('warmup_seconds'), '.0f')} s) | "
@@ -152,6 +159,10 @@ def plot(result: dict, path: Path) -> None:
     faults = result["fault_times"]
     if faults:
         ax.plot([f[0] for f in faults], [0] * len(faults), "rx", ms=6, label="request lost to a fault")
+    invalid = result["invalid_output_times"]
+    if invalid:
+        ax.plot([f[0] for f in invalid], [0] * len(invalid), "o", color="purple", ms=4, mfc="none",
+                label="output breaks its constraint")
     ax.set(ylabel="tokens/s", title="Throughput (client-side, per sampling interval)")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
