@@ -3,12 +3,16 @@
 The request-level counterpart is `grammar_svc.session.GrammarSession` (the
 same two levels as vLLM's structured-output backend types). Compiles of the
 same grammar are coalesced (single flight) and run in killable worker
-processes, so a request never waits on another request's grammar.
+processes, so a request never waits on another request's grammar. A compile
+whose every caller went away is cancelled (its worker is killed). A worker
+that dies under a compile is replaced and the compile retried; a spec that
+kills `CRASH_LIMIT` workers in a row is refused from the failure cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -16,13 +20,20 @@ from dataclasses import dataclass
 from grammar_svc.cache import CompiledEntry, FailedEntry, GrammarCache
 import xgrammar as xgr
 
-from grammar_svc.compile_pool import CompilePool, WorkersBusyError
+from grammar_svc.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.spec import GrammarSpec, compile_spec
 from grammar_svc.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry
-from shared.errors import CompileTimeoutError, InvalidGrammarError, LimitExceededError, NotFoundError, StructdError
+from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, LimitExceededError,
+                           NotFoundError, StructdError)
 
 log = logging.getLogger(__name__)
+
+# A spec under which this many workers died is refused (a compiler crash is deterministic
+# far more often than not; one death alone may be the OOM killer or an operator).
+CRASH_LIMIT = 2
+# Specs whose crashes are remembered (oldest forgotten first).
+CRASH_MEMORY = 4096
 
 
 @dataclass(frozen=True)
@@ -31,18 +42,33 @@ class CompileResult:
     cache_hit: bool
 
 
+class _Flight:
+    """One compile in progress and how many callers still wait for it."""
+
+    def __init__(self, task: asyncio.Task):
+        self.task = task
+        self.waiters = 0
+
+
 class GrammarBackend:
     def __init__(self, *, compile_workers: int, cache_bytes: int, max_spec_bytes: int,
-                 default_timeout_seconds: float, metrics: GrammarMetrics):
+                 default_timeout_seconds: float, metrics: GrammarMetrics, max_timeout_seconds: float = 60.0,
+                 timeout_cache_seconds: float = 30.0, max_compile_workers: int = 0,
+                 compile_lane_after_seconds: float = 0.5):
         self.tokenizers = TokenizerRegistry()
         self.cache = GrammarCache(cache_bytes)
-        self.pool = CompilePool(compile_workers, self.tokenizers.worker_payloads)
+        self.pool = CompilePool(compile_workers, self.tokenizers.worker_payloads, max_workers=max_compile_workers,
+                                lane_after_seconds=compile_lane_after_seconds, metrics=metrics)
         # In-process compilers (one per tokenizer) for compiles a worker showed to be fast.
         self._local_compilers: dict[str, object] = {}
         self.max_spec_bytes = max_spec_bytes
         self.default_timeout_seconds = default_timeout_seconds
+        self.max_timeout_seconds = max_timeout_seconds
+        self.timeout_cache_seconds = timeout_cache_seconds
         self.metrics = metrics
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._inflight: dict[str, _Flight] = {}
+        # grammar id -> workers that died compiling it.
+        self._crashes: collections.OrderedDict[str, int] = collections.OrderedDict()
 
     async def start(self) -> None:
         await self.pool.start()
@@ -54,6 +80,8 @@ class GrammarBackend:
         kind = spec.kind.value
         tokenizer = self.tokenizers.get(fingerprint)
         timeout = timeout_seconds if timeout_seconds > 0 else self.default_timeout_seconds
+        # The client chooses its deadline, the operator how much of a core one compile may hold.
+        timeout = min(timeout, self.max_timeout_seconds)
         grammar_id = spec.grammar_id(fingerprint)
         cached = self.cache.get(grammar_id)
         if isinstance(cached, CompiledEntry):
@@ -68,40 +96,57 @@ class GrammarBackend:
         except StructdError as e:
             self.metrics.compile_failures.labels(kind, _reason(e)).inc()
             raise
-        fut = self._inflight.get(grammar_id)
-        if fut is None:
-            fut = asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout))
-            self._inflight[grammar_id] = fut
-            fut.add_done_callback(lambda f: self._compile_done(grammar_id, f))
-        # shield: one caller cancelling must not cancel the compile others wait on.
-        entry = await asyncio.shield(fut)
+        flight = self._inflight.get(grammar_id)
+        if flight is None:
+            flight = _Flight(asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout)))
+            self._inflight[grammar_id] = flight
+            flight.task.add_done_callback(lambda f: self._compile_done(grammar_id, flight))
+        flight.waiters += 1
+        try:
+            # shield: one caller cancelling must not cancel the compile others wait on.
+            entry = await asyncio.shield(flight.task)
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                # The last caller went away (cancelled, or its deadline passed): nobody wants
+                # this grammar now, so stop the compile; the pool kills its worker.
+                if self._inflight.get(grammar_id) is flight:
+                    del self._inflight[grammar_id]
+                flight.task.cancel()
         return CompileResult(entry, False)
 
-    def _compile_done(self, grammar_id: str, fut: asyncio.Future) -> None:
-        self._inflight.pop(grammar_id, None)
+    def _compile_done(self, grammar_id: str, flight: _Flight) -> None:
+        if self._inflight.get(grammar_id) is flight:
+            del self._inflight[grammar_id]
         # Waiters get the error re-raised; retrieving it here keeps a compile
         # whose callers all went away from logging "exception never retrieved".
-        if not fut.cancelled():
-            fut.exception()
+        if not flight.task.cancelled():
+            flight.task.exception()
 
     async def _compile_once(self, tokenizer: RegisteredTokenizer, spec: GrammarSpec, grammar_id: str,
                             timeout: float) -> CompiledEntry:
         kind = spec.kind.value
         start = time.perf_counter()
         try:
-            out = await self.pool.compile(tokenizer.fingerprint, tokenizer.info_json, spec, timeout)
+            out = await self._compile_on_workers(tokenizer, spec, grammar_id, timeout)
         except WorkersBusyError:
             self.metrics.compile_failures.labels(kind, "busy").inc()
             raise
+        except GrammarCrashError as e:
+            self.metrics.compile_failures.labels(kind, "crash").inc()
+            self.cache.put(FailedEntry(grammar_id, e))
+            raise
         except CompileTimeoutError as e:
             self.metrics.compile_failures.labels(kind, "timeout").inc()
-            self.cache.put(FailedEntry(grammar_id, e, timeout))
+            # Remembered briefly: the same deadline may well be enough once the load has passed.
+            self.cache.put(FailedEntry(grammar_id, e, timeout,
+                                       expires_at=time.monotonic() + self.timeout_cache_seconds))
             raise
         except InvalidGrammarError as e:
             self.metrics.compile_failures.labels(kind, "invalid").inc()
             self.cache.put(FailedEntry(grammar_id, e))
             raise
-        except Exception:
+        except Exception:  # noqa: BLE001 - ours or xgrammar's bug: counted, then mapped to INTERNAL
             self.metrics.compile_failures.labels(kind, "error").inc()
             raise
         finally:
@@ -115,6 +160,39 @@ class GrammarBackend:
         self.cache.put(entry)
         self.metrics.cache_bytes.set(self.cache.bytes)
         return entry
+
+    async def _compile_on_workers(self, tokenizer: RegisteredTokenizer, spec: GrammarSpec, grammar_id: str,
+                                  timeout: float):
+        """The pool's compile, retried on a fresh worker when one dies under it, within one deadline."""
+        deadline = time.monotonic() + timeout
+        remaining = timeout  # the first attempt gets (and its error names) the whole deadline
+        while True:
+            if remaining <= 0:
+                raise CompileTimeoutError(
+                    f"{spec.kind.value} compilation exceeded its {timeout:g} s deadline (compile workers "
+                    "died under it); retry later")
+            try:
+                out = await self.pool.compile(tokenizer.fingerprint, tokenizer.info_json, spec, remaining)
+            except WorkerCrashedError as e:  # the worker process's failure; maybe the spec's doing
+                if not e.during_compile:
+                    # Died loading a tokenizer: nothing to hold against the spec.
+                    remaining = deadline - time.monotonic()
+                    continue
+                crashes = self._crashes.pop(grammar_id, 0) + 1
+                self._crashes[grammar_id] = crashes
+                while len(self._crashes) > CRASH_MEMORY:
+                    self._crashes.popitem(last=False)
+                log.warning("compile worker died compiling grammar %s (%d of %d allowed): %s",
+                            grammar_id, crashes, CRASH_LIMIT, e)
+                if crashes >= CRASH_LIMIT:
+                    raise GrammarCrashError(
+                        f"{spec.kind.value}: compiling this constraint crashed the grammar compiler "
+                        f"{crashes} times; it is refused (a compiler bug or a constraint too large for the "
+                        "worker's memory): simplify the constraint") from None
+                remaining = deadline - time.monotonic()
+                continue
+            self._crashes.pop(grammar_id, None)
+            return out
 
     def _local_compiler(self, tokenizer: RegisteredTokenizer):
         compiler = self._local_compilers.get(tokenizer.fingerprint)

@@ -3,13 +3,16 @@
 Keyed by grammar id (a hash of tokenizer, kind, spec and options). A failure
 is cached with its error so a bad spec sent again is answered at once; a
 timeout is cached with the deadline it failed under, so only a request
-granting more time tries again. Live sessions keep their own reference to
-the compiled grammar, so eviction never breaks a running request.
+granting more time tries again, and only for a short while (`expires_at`):
+a timeout may be the load's doing, not the spec's. Live sessions keep their
+own reference to the compiled grammar, so eviction never breaks a running
+request.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,8 @@ class FailedEntry:
     error: StructdError
     # For timeouts: the deadline that was not enough. None for other failures.
     timeout_seconds: float | None = None
+    # time.monotonic() after which the entry is forgotten; None: kept until evicted.
+    expires_at: float | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -62,8 +67,13 @@ class GrammarCache:
     def get(self, grammar_id: str) -> Entry | None:
         with self._lock:
             entry = self._entries.get(grammar_id)
-            if entry is not None:
-                self._entries.move_to_end(grammar_id)
+            if entry is None:
+                return None
+            if isinstance(entry, FailedEntry) and entry.expires_at is not None and time.monotonic() >= entry.expires_at:
+                del self._entries[grammar_id]
+                self._bytes -= entry.memory_bytes
+                return None
+            self._entries.move_to_end(grammar_id)
             return entry
 
     def put(self, entry: Entry) -> None:

@@ -14,10 +14,21 @@ Replies (worker -> parent):
       the parent recompiles in-process rather than pay for serialization
   ("invalid", message)      the spec is malformed or unsatisfiable
   ("error", message)        anything else (a bug or an xgrammar crash)
+
+The same module is also the workers' zygote (`--zygote FD`): a process that
+has imported xgrammar once and forks a ready worker per request, in
+milliseconds instead of the ~2 s (far more on a loaded machine) that a fresh
+interpreter needs to import xgrammar and torch. On its SOCK_SEQPACKET socket
+the server sends b"fork" with one end of a new socketpair (SCM_RIGHTS); the
+zygote answers the child's pid as ASCII with a pidfd for it, or b"error:..."
+without one. The pidfd lets the server watch and kill a process that is not
+its child, with no risk of hitting a reused pid. The zygote ignores SIGCHLD,
+so the kernel reaps the workers it forked.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -106,11 +117,70 @@ def serve(conn) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+def zygote(sock) -> None:
+    """Forks a worker per b"fork" request (see the module docstring) until the server hangs up."""
+    import signal
+    import socket
+    from multiprocessing.connection import Connection
+
+    # Everything a worker needs, imported once here and shared copy-on-write by every fork.
+    import xgrammar  # noqa: F401
+    from grammar_svc import schema_warnings, spec  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    sock.send(b"ready")
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
+        except (EOFError, OSError):  # the server's end closed: it is gone, and so are we
+            return
+        if not msg:
+            return
+        if msg != b"fork" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.send(b"error:bad request")
+            continue
+        (fd,) = fds
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sock.close()
+                conn = Connection(fd)
+                conn.send(("ready",))
+                serve(conn)
+            except BaseException:  # noqa: BLE001 - the forked worker's own end; never fall back into the zygote loop
+                status = 1
+            finally:
+                os._exit(status)
+        os.close(fd)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:  # the kernel's answer: no pidfds here (old kernel, seccomp), or the child is gone
+            if e.errno != errno.ESRCH:
+                os.kill(pid, signal.SIGKILL)  # a worker the server cannot watch must not live on
+            sock.send(f"error:pidfd_open: {e}".encode())
+            continue
+        socket.send_fds(sock, [str(pid).encode()], [pidfd])
+        os.close(pidfd)
+
+
 def main() -> None:
-    """Entry point: `python -m grammar_svc.compile_worker FD` (FD: one end of a socketpair)."""
+    """Entry point: `python -m grammar_svc.compile_worker FD` (FD: one end of a socketpair),
+    or `python -m grammar_svc.compile_worker --zygote FD` (FD: a SOCK_SEQPACKET socket)."""
     import sys
     from multiprocessing.connection import Connection
 
+    if sys.argv[1] == "--zygote":
+        import socket
+
+        try:
+            zygote(socket.socket(fileno=int(sys.argv[2])))
+        except KeyboardInterrupt:
+            pass
+        return
     conn = Connection(int(sys.argv[1]))
     import xgrammar  # noqa: F401 - loaded before "ready" so the first compile is not slowed by imports
 

@@ -29,8 +29,25 @@ class GrammarMetrics:
             "grammar_svc_compile_duration_seconds", "Wall time of grammar compilations (cache misses that succeeded).",
             ["kind"], buckets=COMPILE_BUCKETS, registry=r)
         self.compile_failures = Counter(
-            "grammar_svc_compile_failures_total", "Compilations that failed, by reason (invalid, timeout, busy, too_large, error).",
+            "grammar_svc_compile_failures_total",
+            "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",
             ["kind", "reason"], registry=r)
+        self.compile_worker_restarts = Counter(
+            "grammar_svc_compile_worker_restarts_total",
+            "Compile workers replaced, by reason: deadline (killed past its compile deadline), abandoned "
+            "(killed because every caller went away), crashed (died on its own or killed from outside).",
+            ["reason"], registry=r)
+        for reason in ("deadline", "abandoned", "crashed"):
+            self.compile_worker_restarts.labels(reason)  # every reason exported from the start, at 0
+        self.compile_worker_spawn_failures = Counter(
+            "grammar_svc_compile_worker_spawn_failures_total",
+            "Compile worker processes that failed to start (retried with back-off).", registry=r)
+        self.compile_workers = Gauge(
+            "grammar_svc_compile_workers",
+            "Compile worker processes by state (idle, busy, starting); more than --compile-workers while "
+            "extra lanes are open.", ["state"], registry=r)
+        self.compile_waiting = Gauge(
+            "grammar_svc_compile_waiting", "Compiles waiting for a free compile worker.", registry=r)
         self.cache_hits = Counter(
             "grammar_svc_cache_hits_total", "Compile requests answered from the cache (successes and cached failures).",
             ["kind"], registry=r)

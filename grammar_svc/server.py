@@ -40,7 +40,10 @@ class GrammarServer:
         self.backend = GrammarBackend(
             compile_workers=config.compile_workers, cache_bytes=config.cache_bytes,
             max_spec_bytes=config.max_spec_bytes, default_timeout_seconds=config.compile_timeout_seconds,
-            metrics=self.metrics)
+            max_timeout_seconds=config.max_compile_timeout_seconds,
+            timeout_cache_seconds=config.compile_timeout_cache_seconds,
+            max_compile_workers=config.compile_workers_bound,
+            compile_lane_after_seconds=config.compile_lane_after_seconds, metrics=self.metrics)
         self.limiter = SessionLimiter(config.max_sessions, self.metrics)
         self.filler = MaskFiller(config.fill_threads)
         self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,

@@ -252,6 +252,10 @@ def test_grammar_preload_is_cache_hit(grammar_proc):
                      "--fill-threads must be at least 1; --max-sessions must be at least 1", id="two-problems"),
         pytest.param(["--compile-timeout-seconds", "0"], {}, "--compile-timeout-seconds must be positive",
                      id="timeout-0"),
+        pytest.param(["--compile-timeout-seconds", "120"], {},
+                     "--compile-timeout-seconds must not exceed --max-compile-timeout-seconds", id="timeout-over-max"),
+        pytest.param(["--compile-workers", "4"], {"STRUCTD_GRAMMAR_MAX_COMPILE_WORKERS": "2"},
+                     "--max-compile-workers must be at least --compile-workers", id="env-max-workers-below-base"),
         pytest.param(["--preload-file", "/nonexistent/preload.jsonl"], {}, "does not exist", id="missing-preload"),
         pytest.param([], {"STRUCTD_GRAMMAR_COMPILE_WORKERS": "0"}, "--compile-workers must be at least 1",
                      id="env-compile-workers-0"),
@@ -270,8 +274,10 @@ def test_grammar_bad_configuration_exits_nonzero(argv, env, message):
 def test_grammar_sigterm_drains_and_exits_zero(grammar_proc):
     """Runs last in this module: it stops the module's server."""
     pid = grammar_proc.popen.pid
+    # Compile workers are forked by the workers' zygote, a child of the service.
     workers = children_of(pid)
-    assert workers, "the compile worker process should be a child of the service"
+    workers |= {g for c in workers for g in children_of(c)}
+    assert len(workers) >= 2, "the compile worker processes should descend from the service"
     assert all(running(w) for w in workers)
     grammar_proc.popen.send_signal(signal.SIGTERM)
     assert grammar_proc.wait() == 0, grammar_proc.output

@@ -117,7 +117,7 @@ def pool_state(srv) -> dict:
         return {
             "pids": {w.proc.pid for w in workers},
             "workers": workers,
-            "idle": pool._idle.qsize(),
+            "idle": pool.idle_workers,
             "busy": pool.busy_workers,
             "kills": pool.kills,
         }
@@ -219,7 +219,8 @@ LIMITED_MAX_SPEC_BYTES = 64 * 1024
 @pytest.fixture(scope="module")
 def limited(tokenizer_desc):
     srv = start_grammar_server(compile_workers=1, max_spec_bytes=LIMITED_MAX_SPEC_BYTES,
-                               compile_timeout_seconds=300.0, metrics_port=free_port())
+                               compile_timeout_seconds=300.0, max_compile_timeout_seconds=300.0,
+                               metrics_port=free_port())
     try:
         d = tokenizer_desc
 

@@ -80,7 +80,7 @@ def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, 
         # start each compile only once one is idle: every schema gets its
         # full deadline of compile time.
         deadline = time.monotonic() + 120
-        while pool._idle is None or pool._idle.qsize() < n:
+        while pool.idle_workers < n:
             assert time.monotonic() < deadline, "no compile worker came back"
             await asyncio.sleep(0.05)
 
@@ -116,7 +116,7 @@ def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, 
                         o.direct, o.direct_detail = "invalid", f"{type(e).__name__}: {e}"[:300]
                 out[(row["dataset"], POSITIONS[i // len(DATASETS)])] = o
             # Leave the shared server as found: every worker back and idle.
-            await idle_worker(pool._num_workers)
+            await idle_worker(pool.base_workers)
         finally:
             await client.close()
         return out
