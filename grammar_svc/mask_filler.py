@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xgrammar as xgr
 
 from grammar_svc.session import GrammarSession
-from shared.codec import EncodedMask, MaskEncoder, StreamMaskCache
+from shared.codec import EncodedMask, FilledRow, MaskEncoder, StreamMaskCache
 
 # A row whose last fill took longer than this is filled on a helper thread.
 SLOW_ROW_SECONDS = 250e-6
@@ -85,9 +85,9 @@ class MaskFiller:
             enc = self._encoders.setdefault(vocab_size, MaskEncoder(vocab_size))
         return enc
 
-    def fill(self, rows: list[tuple[int, GrammarSession]], cache: StreamMaskCache | None = None):
-        """(result index, session) pairs -> (result index, canonical row bytes, encoding or None
-        if the client has the row cached, encoder, fill seconds), in input order."""
+    def fill(self, rows: list[tuple[int, GrammarSession]], cache: StreamMaskCache | None = None) -> list[FilledRow]:
+        """(result index, session) pairs -> their filled rows, in input order (a row the client has
+        cached is not encoded)."""
         if not rows:
             return []
         vocab = rows[0][1].vocab_size
@@ -97,7 +97,7 @@ class MaskFiller:
             for r in rows:
                 by_vocab.setdefault(r[1].vocab_size, []).append(r)
             out = [x for group in by_vocab.values() for x in self.fill(group, cache)]
-            out.sort(key=lambda x: x[0])
+            out.sort(key=lambda r: r.index)
             return out
         encoder = self.encoder(vocab)
         tensor, array = self._buffers.get(vocab, len(rows))
@@ -119,7 +119,7 @@ class MaskFiller:
             # The stream cache is only read here (writes happen afterwards,
             # under the same stream lock): a cached row needs no encoding.
             enc = None if cache is not None and cache.lookup(key) is not None else self._memo.encode(key, row, encoder)
-            out.append((index, key, enc, encoder, session.last_fill_seconds))
+            out.append(FilledRow(index, key, enc, encoder, session.last_fill_seconds))
         return out
 
     def close(self) -> None:

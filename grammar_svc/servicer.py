@@ -1,6 +1,9 @@
 """gRPC servicer: translates grammar.v1 messages to domain calls and back.
 
-No logic lives here beyond translation; errors go through shared.status.
+The decisions are the domain's (the backend compiles, the stepper applies a
+step and chooses where it runs); here protobuf becomes domain objects, the
+client's gRPC deadline becomes a compile deadline, and errors become
+statuses through shared.status.
 """
 
 from __future__ import annotations
@@ -22,9 +25,6 @@ from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-# Steps whose rows are expected to fill faster than this run inline.
-INLINE_STEP_SECONDS = 1e-3
 
 _WHITESPACE = {
     pb.WHITESPACE_STYLE_UNSPECIFIED: Whitespace.COMPACT,
@@ -128,7 +128,6 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
     async def Step(self, request_iterator, context):
         sessions = StreamSessions(self.limiter)
         stepper = Stepper(self.backend, sessions, self.filler, self.metrics, self.max_tokens_per_step)
-        loop = asyncio.get_running_loop()
         self.metrics.active_streams.inc()
         try:
             first = True
@@ -136,13 +135,7 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
                 if first:
                     stepper.enable_mask_cache(min(request.mask_cache_slots, self.max_mask_cache_slots))
                     first = False
-                ops = [op_from_proto(s) for s in request.sessions]
-                if stepper.expected_fill_seconds(ops) < INLINE_STEP_SECONDS:
-                    # Cheap steps run on the event loop: the hop to a thread
-                    # and back costs ~80 us, more than such a step's masks.
-                    outcome = stepper.step(ops)
-                else:
-                    outcome = await loop.run_in_executor(self._step_pool, stepper.step, ops)
+                outcome = await stepper.run([op_from_proto(s) for s in request.sessions], self._step_pool)
                 yield step_response(request.step_id, outcome)
                 stepper.observe(outcome)
         except Exception as e:  # noqa: BLE001 - per-session errors never get here; this is a bug

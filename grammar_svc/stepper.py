@@ -1,14 +1,16 @@
 """Applies one step message to a stream's sessions: the grammar service's hot path.
 
 For each session, in message order: open, rollback, accept, jump-forward;
-then every row that wants a mask is filled in parallel and encoded; then
-closes. Failures are per session (a SessionOutcome with an error), never per
+then every row that wants a mask is filled (in a loop; rows that were slow
+last time on helper threads, see mask_filler.py) and encoded; then closes. Failures are per session (a SessionOutcome with an error), never per
 step, so one bad request cannot fail the batch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Sequence
@@ -19,6 +21,11 @@ from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.sessions import StreamSessions
 from shared.codec import EncodedMask, StreamMaskCache, assign_wire_forms
 from shared.errors import InvalidRequestError
+
+
+# Steps whose rows are expected to fill faster than this run on the calling (event loop) thread:
+# the hop to a thread and back costs ~80 us, more than such a step's masks.
+INLINE_STEP_SECONDS = 1e-3
 
 
 class Status(Enum):
@@ -81,6 +88,13 @@ class Stepper:
         as a typical row): what the step will cost, for choosing where to run it."""
         return self.sessions.expected_fill_seconds(op.session_id for op in ops)
 
+    async def run(self, ops: Sequence[SessionOp], executor: Executor) -> StepOutcome:
+        """Applies one step: a cheap one right here, an expensive one on `executor` (the event loop
+        goes on serving other streams meanwhile)."""
+        if self.expected_fill_seconds(ops) < INLINE_STEP_SECONDS:
+            return self.step(ops)
+        return await asyncio.get_running_loop().run_in_executor(executor, self.step, ops)
+
     def step(self, ops: Sequence[SessionOp]) -> StepOutcome:
         start = time.perf_counter()
         with self.sessions.lock:
@@ -88,12 +102,12 @@ class Stepper:
             fill_start = time.perf_counter()
             filled = self.filler.fill(to_fill, self.mask_cache)
             fill_seconds = time.perf_counter() - fill_start
-            masks = assign_wire_forms([row[:4] for row in filled], self.mask_cache)
+            masks = assign_wire_forms(filled, self.mask_cache)
             for sid in to_close:
                 self.sessions.close(sid)
         for row, enc in zip(filled, masks):
-            results[row[0]].mask = enc
-        return StepOutcome(results, time.perf_counter() - start, fill_seconds, [row[4] for row in filled])
+            results[row.index].mask = enc
+        return StepOutcome(results, time.perf_counter() - start, fill_seconds, [row.fill_seconds for row in filled])
 
     def observe(self, outcome: StepOutcome) -> None:
         """Records a step's metrics; called after its response is on its way."""

@@ -147,7 +147,7 @@ class MaskEncoder:
         """Encodes each row of an (n, num_words) array; repeated rows become references."""
         rows = np.ascontiguousarray(bitmask)
         return assign_wire_forms(
-            [(i, self.canonical(r).tobytes(), self.encode_row(r), self) for i, r in enumerate(rows)], None)
+            [FilledRow(i, self.canonical(r).tobytes(), self.encode_row(r), self) for i, r in enumerate(rows)], None)
 
 
 class StreamMaskCache:
@@ -180,9 +180,19 @@ class StreamMaskCache:
         return slot
 
 
-def assign_wire_forms(rows: list[tuple[int, bytes, EncodedMask | None, MaskEncoder]],
-                      cache: StreamMaskCache | None) -> list[EncodedMask]:
-    """Final wire form of each (result index, canonical row bytes, encoding, encoder), in result order.
+@dataclass(slots=True)
+class FilledRow:
+    """One filled mask on its way to the wire."""
+
+    index: int  # the result it belongs to, in the step
+    key: bytes  # the canonical row's bytes: equal masks, equal keys
+    encoding: EncodedMask | None  # None: the client has the row cached, so it was not encoded
+    encoder: MaskEncoder
+    fill_seconds: float = 0.0
+
+
+def assign_wire_forms(rows: list[FilledRow], cache: StreamMaskCache | None) -> list[EncodedMask]:
+    """Final wire form of each filled row, in result order.
 
     A row equal to an earlier row of the message becomes a same_as reference,
     one the client has cached becomes a cached_slot, and a new one large
@@ -192,7 +202,8 @@ def assign_wire_forms(rows: list[tuple[int, bytes, EncodedMask | None, MaskEncod
     """
     out: list[EncodedMask] = []
     first: dict[bytes, int] = {}
-    for index, key, enc, encoder in rows:
+    for row in rows:
+        index, key, enc = row.index, row.key, row.encoding
         j = first.setdefault(key, index)
         if j != index:
             out.append(EncodedMask(SAME_AS, j))
@@ -202,7 +213,7 @@ def assign_wire_forms(rows: list[tuple[int, bytes, EncodedMask | None, MaskEncod
             out.append(EncodedMask(CACHED, slot))
             continue
         if enc is None:
-            enc = encoder.encode_row(np.frombuffer(key, dtype=np.uint32))
+            enc = row.encoder.encode_row(np.frombuffer(key, dtype=np.uint32))
         if cache is not None and enc.wire_bytes > StreamMaskCache.MIN_BYTES:
             enc = EncodedMask(enc.field, enc.value, cache.store(key))
         out.append(enc)

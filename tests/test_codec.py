@@ -28,6 +28,7 @@ from shared.codec import (
     MaskEncoder,
     StreamMaskCache,
     allowed_ids,
+    FilledRow,
     assign_wire_forms,
     decode_ids,
     encode_ids,
@@ -350,7 +351,7 @@ def _server_side(enc: MaskEncoder, cache: StreamMaskCache, rows: np.ndarray) -> 
     items = []
     for i, r in enumerate(rows):
         key = enc.canonical(r).tobytes()
-        items.append((i, key, None if cache.lookup(key) is not None else enc.encode_row(r), enc))
+        items.append(FilledRow(i, key, None if cache.lookup(key) is not None else enc.encode_row(r), enc))
     return assign_wire_forms(items, cache)
 
 
