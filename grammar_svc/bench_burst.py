@@ -5,16 +5,18 @@ schemas, many at a time, to one replica with the default compile workers. A
 few schemas in any such set run to the compile deadline; the question is what
 that does to everyone else's compiles.
 
-Two passes over the same schemas, each on a fresh server (or, with --server,
-on the running one with a per-pass title so no pass hits the other's cache):
+Three passes, each on a fresh server (or, with --server, on the running one
+with a per-pass title so no pass hits another's cache):
 
 1. solo: one Compile at a time: each schema's own outcome and latency;
-2. burst: all of them, --burst-concurrency in flight.
+2. burst: all of them, --burst-concurrency in flight;
+3. fast_only: the control, the burst again with only the fast schemas: what
+   sharing the cores costs them with no slow schema in the way.
 
 A burst failure whose schema compiled solo is a head-of-line failure: that
 request failed because of the others. "Fast" schemas are those that compiled
-solo within --burst-fast-seconds; their burst/solo latency ratio is the
-figure of merit. During the burst the server's compile-worker gauge is
+solo within --burst-fast-seconds; their latency in the burst against solo
+and against the fast-only burst are the figures of merit. During the burst the server's compile-worker gauge is
 sampled for the plot.
 
 Writes <out>/compile-burst.json and <out>/compile-burst.png.
@@ -154,8 +156,13 @@ def run_burst(args) -> int:
     workers = args.compile_workers or _server_default_compile_workers()
     passes = {}
     run_tag = f"{int(started)}"
-    for name, concurrency in (("solo", 1), ("burst", args.burst_concurrency)):
-        records = _records(schemas, f"structd-burst-{name}-{run_tag}" if args.server else None)
+    for name, concurrency in (("solo", 1), ("burst", args.burst_concurrency), ("fast_only", args.burst_concurrency)):
+        chosen = schemas
+        if name == "fast_only":
+            # The control: the same burst without the slow schemas, so what is left is plain CPU sharing.
+            chosen = [sc for sc, r in zip(schemas, passes["solo"]["records"])
+                      if r.status == "ok" and r.cold_seconds <= args.burst_fast_seconds]
+        records = _records(chosen, f"structd-burst-{name}-{run_tag}" if args.server else None)
         server = None
         if not args.server:
             from grammar_svc.bench_server import ServerProcess
@@ -164,7 +171,7 @@ def run_burst(args) -> int:
                                    compile_timeout_seconds=args.compile_timeout, log_path=out / f"server-{name}.log")
             result.setdefault("server_command", " ".join(server.cmd[1:]))
         target = server.target if server else args.server
-        progress(f"{name} pass: {concurrency} in flight on {target}")
+        progress(f"{name} pass: {len(records)} schemas, {concurrency} in flight on {target}")
         try:
             p = asyncio.run(_pass(target, desc, records, args.compile_timeout, concurrency, workers, server))
             if server is not None:
@@ -214,6 +221,13 @@ def burst_aggregates(passes: dict, fast_seconds: float) -> dict:
                      "burst_error": b.error, "solo_error": s.error})
     fast = [r for r in rows if r["solo_status"] == "ok" and r["solo_seconds"] <= fast_seconds]
     ratios = [r["burst_seconds"] / r["solo_seconds"] for r in fast if r["burst_status"] == "ok"]
+    # The fast schemas in the control burst (same order, same concurrency, no slow ones).
+    control = passes["fast_only"]["records"] if "fast_only" in passes else []
+    for r, c in zip(fast, control):  # the control pass ran exactly these schemas, in this order
+        r["fast_only_status"] = c.status
+        r["fast_only_seconds"] = c.cold_seconds
+    vs_control = [r["burst_seconds"] / r["fast_only_seconds"] for r in fast
+                  if r["burst_status"] == "ok" and r.get("fast_only_status") == "ok"]
     hol = [r for r in rows if r["burst_status"] != "ok" and r["solo_status"] == "ok"]
     return {
         "solo": {"statuses": _statuses(solo), "wall_seconds": passes["solo"]["wall_seconds"],
@@ -226,7 +240,12 @@ def burst_aggregates(passes: dict, fast_seconds: float) -> dict:
                  "failed_in_burst": sum(1 for r in fast if r["burst_status"] != "ok"),
                  "solo_seconds": summarize([r["solo_seconds"] for r in fast]),
                  "burst_seconds": summarize([r["burst_seconds"] for r in fast if r["burst_status"] == "ok"]),
-                 "burst_over_solo": summarize(ratios)},
+                 "burst_over_solo": summarize(ratios),
+                 # Without the slow schemas: what 16 fast compiles sharing the cores cost by themselves.
+                 "fast_only_seconds": summarize([r["fast_only_seconds"] for r in fast
+                                                 if r.get("fast_only_status") == "ok"]),
+                 "fast_only_statuses": _statuses(control),
+                 "burst_over_fast_only": summarize(vs_control)},
         # Failed in the burst although the schema compiled on its own: blocked by the others.
         "head_of_line_failures": len(hol),
         "head_of_line_failed": [{k: r[k] for k in ("name", "solo_seconds", "burst_status", "burst_error")} for r in hol],
@@ -245,6 +264,10 @@ def burst_summary_text(r: dict) -> str:
         f"p90 {f['burst_over_solo'].get('p90', float('nan')):.2f}x max {f['burst_over_solo'].get('max', float('nan')):.2f}x; "
         f"burst latency p50 {f['burst_seconds'].get('p50', float('nan')) * 1e3:.0f} ms "
         f"max {f['burst_seconds'].get('max', float('nan')) * 1e3:.0f} ms",
+        f"the same fast schemas in a burst without the slow ones: {f['fast_only_statuses']}, latency p50 "
+        f"{f['fast_only_seconds'].get('p50', float('nan')) * 1e3:.0f} ms; with the slow ones / without: p50 "
+        f"{f['burst_over_fast_only'].get('p50', float('nan')):.2f}x p90 "
+        f"{f['burst_over_fast_only'].get('p90', float('nan')):.2f}x",
     ]
     return "\n".join(lines)
 
@@ -264,6 +287,10 @@ def plot_burst(result: dict, path: Path) -> None:
         pts = [(r["solo_seconds"], r["burst_seconds"]) for r in rows if r["burst_status"] == status]
         if pts:
             ax.scatter(*zip(*pts), s=14, color=color, label=f"burst {status} ({len(pts)})")
+    pts = [(r["solo_seconds"], r["fast_only_seconds"]) for r in rows if r.get("fast_only_status") == "ok"]
+    if pts:
+        ax.scatter(*zip(*pts), s=10, marker="x", color="tab:blue", alpha=0.6,
+                   label=f"same schema, burst without the slow ones ({len(pts)})")
     lo = max(1e-3, min(min(r["solo_seconds"], r["burst_seconds"]) for r in rows) / 2)
     hi = max(max(r["solo_seconds"], r["burst_seconds"]) for r in rows) * 2
     for k, ls in ((1, "-"), (3, "--"), (10, ":")):
