@@ -78,6 +78,8 @@ class InferenceMetrics:
             "Grammar replica step streams given up: broken (or answering out of order), or silent past the step "
             "deadline (timeout). Their requests are replayed on other replicas.",
             ["reason"], registry=r)
+        for reason in ("timeout", "broken"):  # exported from the start: dashboards see zeros, not gaps
+            self.grammar_replica_losses.labels(reason)
         self.step_failures = Counter(
             "inference_svc_step_failures_total",
             "Engine steps that failed as a whole (e.g. the forward raised): their requests failed, the loop went on.",
