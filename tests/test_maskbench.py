@@ -91,7 +91,7 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
     async def idle_worker(n: int = 1):
         # See test_jsonschemabench: every schema gets its full compile deadline.
         deadline = time.monotonic() + 120
-        while pool._idle is None or pool._idle.qsize() < n:
+        while pool.idle_workers < n:
             assert time.monotonic() < deadline, "no compile worker came back"
             await asyncio.sleep(0.05)
 
@@ -124,7 +124,7 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
                 continue
             out.append((row, gid, compiled))
         # Leave the shared server as found: every worker back and idle.
-        await idle_worker(pool._num_workers)
+        await idle_worker(pool.base_workers)
         return out, timeouts, refused, refused_instances, timeout_instances
 
     def direct(compiled, ids) -> int | None:
