@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.flags import FlagSet
+
 ENV_PREFIX = "STRUCTD_GRAMMAR_"
 
 
@@ -77,47 +79,32 @@ class GrammarServiceConfig:
 def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     """Flags for `structd grammar`; each defaults to STRUCTD_GRAMMAR_<NAME> when set."""
     d = GrammarServiceConfig()
-
-    def env_default(name: str, default):
-        raw = env.get(ENV_PREFIX + name.upper())
-        return type(default)(raw) if raw is not None and default is not None else (raw or default)
-
-    parser.add_argument("--host", default=env_default("host", d.host))
-    parser.add_argument("--port", type=int, default=env_default("port", d.port))
-    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", d.metrics_port),
-                        help="Prometheus /metrics port (0 disables)")
-    parser.add_argument("--compile-workers", type=int, default=env_default("compile_workers", d.compile_workers))
-    parser.add_argument("--max-compile-workers", type=int,
-                        default=env_default("max_compile_workers", d.max_compile_workers),
-                        help="upper bound on compile workers including extra lanes "
-                             "(default 0: 4 x --compile-workers, at least 16)")
-    parser.add_argument("--compile-lane-after-seconds", type=float,
-                        default=env_default("compile_lane_after_seconds", d.compile_lane_after_seconds),
-                        help="a compile running this long opens an extra worker for the compiles waiting behind it")
-    parser.add_argument("--compile-timeout-seconds", type=float,
-                        default=env_default("compile_timeout_seconds", d.compile_timeout_seconds),
-                        help="compile deadline when the request sets none")
-    parser.add_argument("--max-compile-timeout-seconds", type=float,
-                        default=env_default("max_compile_timeout_seconds", d.max_compile_timeout_seconds),
-                        help="cap on the compile deadline a request may ask for")
-    parser.add_argument("--compile-timeout-cache-seconds", type=float,
-                        default=env_default("compile_timeout_cache_seconds", d.compile_timeout_cache_seconds),
-                        help="how long a compile timeout is answered from the cache")
-    parser.add_argument("--fill-threads", type=int, default=env_default("fill_threads", d.fill_threads))
-    parser.add_argument("--cache-bytes", type=int, default=env_default("cache_bytes", d.cache_bytes))
-    parser.add_argument("--max-spec-bytes", type=int, default=env_default("max_spec_bytes", d.max_spec_bytes))
-    parser.add_argument("--max-sessions", type=int, default=env_default("max_sessions", d.max_sessions))
-    parser.add_argument("--max-mask-cache-slots", type=int,
-                        default=env_default("max_mask_cache_slots", d.max_mask_cache_slots),
-                        help="upper bound on the per-stream mask cache the client may ask for")
-    parser.add_argument("--session-idle-ttl-seconds", type=float,
-                        default=env_default("session_idle_ttl_seconds", d.session_idle_ttl_seconds))
-    parser.add_argument("--preload-file", type=Path, default=env.get(ENV_PREFIX + "PRELOAD_FILE"),
-                        help="JSON Lines of constraints to compile at start-up (see README)")
-    parser.add_argument("--preload-tokenizer", type=Path, default=env.get(ENV_PREFIX + "PRELOAD_TOKENIZER"),
-                        help="Hugging Face tokenizer directory for --preload-file (default: the embedded tokenizer)")
-    parser.add_argument("--grace-seconds", type=float, default=env_default("grace_seconds", d.grace_seconds))
-    parser.add_argument("--log-level", default=env_default("log_level", d.log_level))
+    f = FlagSet(parser, env, ENV_PREFIX)
+    f.add("--host", d.host)
+    f.add("--port", d.port)
+    f.add("--metrics-port", d.metrics_port, "Prometheus /metrics port (0 disables)")
+    f.add("--compile-workers", d.compile_workers)
+    f.add("--max-compile-workers", d.max_compile_workers,
+          "upper bound on compile workers including extra lanes (default 0: 4 x --compile-workers, at least 16)")
+    f.add("--compile-lane-after-seconds", d.compile_lane_after_seconds,
+          "a compile running this long opens an extra worker for the compiles waiting behind it")
+    f.add("--compile-timeout-seconds", d.compile_timeout_seconds, "compile deadline when the request sets none")
+    f.add("--max-compile-timeout-seconds", d.max_compile_timeout_seconds,
+          "cap on the compile deadline a request may ask for")
+    f.add("--compile-timeout-cache-seconds", d.compile_timeout_cache_seconds,
+          "how long a compile timeout is answered from the cache")
+    f.add("--fill-threads", d.fill_threads)
+    f.add("--cache-bytes", d.cache_bytes)
+    f.add("--max-spec-bytes", d.max_spec_bytes)
+    f.add("--max-sessions", d.max_sessions)
+    f.add("--max-mask-cache-slots", d.max_mask_cache_slots,
+          "upper bound on the per-stream mask cache the client may ask for")
+    f.add("--session-idle-ttl-seconds", d.session_idle_ttl_seconds)
+    f.add("--preload-file", None, "JSON Lines of constraints to compile at start-up (see README)", kind=Path)
+    f.add("--preload-tokenizer", None,
+          "Hugging Face tokenizer directory for --preload-file (default: the embedded tokenizer)", kind=Path)
+    f.add("--grace-seconds", d.grace_seconds)
+    f.add("--log-level", d.log_level)
 
 
 def from_args(args: argparse.Namespace) -> GrammarServiceConfig:

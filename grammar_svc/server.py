@@ -9,12 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from grammar_svc import preload
 from grammar_svc.backend import GrammarBackend
@@ -25,7 +19,7 @@ from grammar_svc.servicer import GrammarServicer
 from grammar_svc.sessions import SessionLimiter
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
-from shared.grpc_options import SERVER_OPTIONS
+from shared.service_host import ServiceHost, run_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GrammarService"].full_name
@@ -49,39 +43,31 @@ class GrammarServer:
         self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
                                         config.max_tokens_per_step, config.max_mask_cache_slots)
         # Created in start(): grpc.aio objects bind to the running event loop.
-        self.health: health.aio.HealthServicer | None = None
-        self.server: grpc.aio.Server | None = None
-        self.port = 0
-        self.metrics_port = 0
-        self._metrics_http = None
+        self.host: ServiceHost | None = None
         self._sweeper: asyncio.Task | None = None
+
+    @property
+    def port(self) -> int:
+        return self.host.port if self.host else 0
+
+    @property
+    def metrics_port(self) -> int:
+        return self.host.metrics_port if self.host else 0
 
     async def start(self) -> None:
         c = self.config
-        self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_GrammarServiceServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
-        if self.port == 0:
-            raise SystemExit(f"cannot listen on {c.host}:{c.port}")
-        await self.server.start()
+        self.host = ServiceHost((SERVICE_NAME,))
+        pb_grpc.add_GrammarServiceServicer_to_server(self.servicer, self.host.server)
+        self.host.listen(c.host, c.port)
+        await self.host.start()
         if c.metrics_port:
-            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
+            self.host.serve_metrics(c.host, c.metrics_port, self.metrics.registry)
         await self.backend.start()
         if c.preload_file is not None:
             await self._preload()
         self._sweeper = asyncio.create_task(self._sweep_forever())
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.host.set_serving(True)
         log.info("grammar service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
-
-    async def _set_health(self, status) -> None:
-        await self.health.set("", status)
-        await self.health.set(SERVICE_NAME, status)
 
     async def _preload(self) -> None:
         from shared.tokenizer import describe, load_hf_tokenizer
@@ -114,27 +100,22 @@ class GrammarServer:
                 log.info("expired %d idle sessions", expired)
 
     async def stop(self, grace: float | None = None) -> None:
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._sweeper is not None:
             self._sweeper.cancel()
-        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        if self.host is not None:
+            await self.host.stop(self.config.grace_seconds if grace is None else grace)
         await self.backend.close()
         self.servicer.close()
         self.filler.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
 
 
 async def serve(config: GrammarServiceConfig) -> None:
     server = GrammarServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    print(f"grammar service listening on {config.host}:{server.port} "
-          f"(metrics http://{config.host}:{server.metrics_port}/metrics)", flush=True)
-    await stop.wait()
-    log.info("draining (grace %.1f s)", config.grace_seconds)
-    await server.stop()
+
+    async def stop() -> None:
+        log.info("draining (grace %.1f s)", config.grace_seconds)
+        await server.stop()
+
+    await run_until_signalled(server.start(), stop, lambda: (
+        f"grammar service listening on {config.host}:{server.port} "
+        f"(metrics http://{config.host}:{server.metrics_port}/metrics)"))

@@ -7,7 +7,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.flags import FlagSet
+
 ENV_PREFIX = "STRUCTD_INFERENCE_"
+# The KV cache's defaults, here once: the runners take them as theirs.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class InferenceServiceConfig:
     dtype: str = "float32"
     # torch intra-op threads on CPU (0: half the cores, leaving the rest to co-located grammar replicas).
     num_threads: int = 0
-    kv_cache_bytes: int = 256 * 1024**2
-    block_size: int = 16
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    block_size: int = DEFAULT_BLOCK_SIZE
     # Benchmarks only: replace the model by random logits after this many ms per step.
     simulate_step_ms: float = 0.0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -94,50 +99,36 @@ class InferenceServiceConfig:
 def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     """Flags for `structd inference`; each defaults to STRUCTD_INFERENCE_<NAME> when set."""
     d, e = InferenceServiceConfig(), EngineConfig()
-
-    def env_default(name: str, default):
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            return default
-        return type(default)(raw) if default is not None and not isinstance(default, tuple) else raw
-
-    parser.add_argument("--host", default=env_default("host", d.host))
-    parser.add_argument("--port", type=int, default=env_default("port", d.port))
-    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", d.metrics_port),
-                        help="Prometheus /metrics port (0 disables)")
-    parser.add_argument("--grammar-target", default=env_default("grammar_target", ",".join(d.grammar_targets)),
-                        help="grammar service replica(s): HOST:PORT[,HOST:PORT...] (gRPC target strings)")
-    parser.add_argument("--grammar-step-timeout-seconds", type=float,
-                        default=env_default("grammar_step_timeout_seconds", d.grammar_step_timeout_seconds),
-                        help="a grammar replica that has not answered a step this long after the forward finished "
-                             "is treated as lost: its requests are replayed on another replica")
-    parser.add_argument("--model", type=Path, default=env.get(ENV_PREFIX + "MODEL"),
-                        help="Hugging Face causal LM directory (default: the embedded model, built on first use)")
-    parser.add_argument("--model-cache-dir", type=Path, default=env.get(ENV_PREFIX + "MODEL_CACHE_DIR"),
-                        help="where the embedded model is cached (default ~/.cache/structd/models)")
-    parser.add_argument("--tp", type=int, default=env_default("tp", d.tp),
-                        help="tensor-parallel ranks (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment, "
-                             "as a LeaderWorkerSet sets them; without them ranks 1..N-1 are started locally)")
-    parser.add_argument("--device", default=env.get(ENV_PREFIX + "DEVICE"), help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--dtype", default=env_default("dtype", d.dtype), help="float32, bfloat16 or float16")
-    parser.add_argument("--num-threads", type=int, default=env_default("num_threads", d.num_threads),
-                        help="torch CPU threads (0: half the cores)")
-    parser.add_argument("--kv-cache-bytes", type=int, default=env_default("kv_cache_bytes", d.kv_cache_bytes))
-    parser.add_argument("--block-size", type=int, default=env_default("block_size", d.block_size))
-    parser.add_argument("--max-num-seqs", type=int, default=env_default("max_num_seqs", e.max_num_seqs))
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=env_default("max_num_batched_tokens", e.max_num_batched_tokens))
-    parser.add_argument("--max-waiting", type=int, default=env_default("max_waiting", e.max_waiting))
-    parser.add_argument("--default-max-tokens", type=int, default=env_default("default_max_tokens", e.default_max_tokens))
-    parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", e.max_model_len))
-    parser.add_argument("--compile-timeout-seconds", type=float,
-                        default=env_default("compile_timeout_seconds", e.compile_timeout_seconds))
-    parser.add_argument("--max-prompt-bytes", type=int, default=env_default("max_prompt_bytes", e.max_prompt_bytes),
-                        help="longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
-    parser.add_argument("--simulate-step-ms", type=float, default=env_default("simulate_step_ms", d.simulate_step_ms),
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--grace-seconds", type=float, default=env_default("grace_seconds", d.grace_seconds))
-    parser.add_argument("--log-level", default=env_default("log_level", d.log_level))
+    f = FlagSet(parser, env, ENV_PREFIX)
+    f.add("--host", d.host)
+    f.add("--port", d.port)
+    f.add("--metrics-port", d.metrics_port, "Prometheus /metrics port (0 disables)")
+    f.add("--grammar-target", ",".join(d.grammar_targets),
+          "grammar service replica(s): HOST:PORT[,HOST:PORT...] (gRPC target strings)")
+    f.add("--grammar-step-timeout-seconds", d.grammar_step_timeout_seconds,
+          "a grammar replica that has not answered a step this long after the forward finished is treated as "
+          "lost: its requests are replayed on another replica")
+    f.add("--model", None, "Hugging Face causal LM directory (default: the embedded model, built on first use)",
+          kind=Path)
+    f.add("--model-cache-dir", None, "where the embedded model is cached (default ~/.cache/structd/models)",
+          kind=Path)
+    f.add("--tp", d.tp, "tensor-parallel ranks (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment, "
+                        "as a LeaderWorkerSet sets them; without them ranks 1..N-1 are started locally)")
+    f.add("--device", None, "cpu or cuda (default: cuda if present)")
+    f.add("--dtype", d.dtype, "float32, bfloat16 or float16")
+    f.add("--num-threads", d.num_threads, "torch CPU threads (0: half the cores)")
+    f.add("--kv-cache-bytes", d.kv_cache_bytes)
+    f.add("--block-size", d.block_size)
+    f.add("--max-num-seqs", e.max_num_seqs)
+    f.add("--max-num-batched-tokens", e.max_num_batched_tokens)
+    f.add("--max-waiting", e.max_waiting)
+    f.add("--default-max-tokens", e.default_max_tokens)
+    f.add("--max-model-len", e.max_model_len)
+    f.add("--compile-timeout-seconds", e.compile_timeout_seconds)
+    f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
+    f.add("--simulate-step-ms", d.simulate_step_ms, argparse.SUPPRESS)
+    f.add("--grace-seconds", d.grace_seconds)
+    f.add("--log-level", d.log_level)
 
 
 def parse_targets(raw: str) -> tuple[str, ...]:

@@ -22,10 +22,8 @@ from typing import Protocol
 import torch
 
 from inference_svc.attention import CONTEXT_KWARG, PagedAttentionContext, SeqLayout, register
+from inference_svc.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES
 from inference_svc.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
-
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from inference_svc.config import InferenceServiceConfig
 from inference_svc.engine import Engine, TokenizerView
@@ -33,7 +27,7 @@ from inference_svc.tensor_parallel import (SPAWNED_ENV, RankInfo, TensorParallel
                                            spawn_local_ranks, worker_loop)
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.grpc_options import SERVER_OPTIONS
+from shared.service_host import ServiceHost, run_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -98,11 +92,7 @@ class InferenceServer:
         self.metrics = InferenceMetrics()
         self.engine: Engine | None = None
         self.grammar: GrammarTier | None = None
-        self.health: health.aio.HealthServicer | None = None
-        self.server: grpc.aio.Server | None = None
-        self.port = 0
-        self.metrics_port = 0
-        self._metrics_http = None
+        self.host: ServiceHost | None = None
         self._maintain: asyncio.Task | None = None
         # Set when the engine died: serve() stops and exits non-zero.
         self.failed = asyncio.Event()
@@ -111,13 +101,9 @@ class InferenceServer:
         from shared.tokenizer import describe
 
         c = self.config
-        self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.host = ServiceHost((SERVICE_NAME,))
         if c.metrics_port:
-            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
+            self.host.serve_metrics(c.host, c.metrics_port, self.metrics.registry)
 
         started = time.perf_counter()
         runner, tok, eos_ids, max_model_len = await asyncio.to_thread(load_runner, c, self.rank)
@@ -131,12 +117,9 @@ class InferenceServer:
                                    step_timeout_seconds=c.grammar_step_timeout_seconds)
         self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len,
                              on_fatal=self._engine_died)
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{c.host}:{c.port}")
-        if self.port == 0:
-            raise SystemExit(f"cannot listen on {c.host}:{c.port}")
-        await self.server.start()
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.engine), self.host.server)
+        self.host.listen(c.host, c.port)
+        await self.host.start()
 
         deadline = time.monotonic() + grammar_connect_timeout
         while (n := await self.grammar.connect()) == 0:
@@ -147,25 +130,30 @@ class InferenceServer:
         log.info("grammar tier: %d of %d replica(s) have the tokenizer", n, len(self.grammar.targets))
         self._maintain = asyncio.create_task(self.grammar.maintain(), name="grammar-tier-maintenance")
         self.engine.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.host.set_serving(True)
         log.info("inference service SERVING on %s:%d (metrics on :%d)", c.host, self.port, self.metrics_port)
 
     def _engine_died(self, cause: BaseException | None) -> None:
         log.critical("the engine stopped (%r): NOT_SERVING; the process exits so it is replaced", cause)
         self.failed.set()
-        asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        asyncio.ensure_future(self.host.set_serving(False))
 
-    async def _set_health(self, status) -> None:
-        await self.health.set("", status)
-        await self.health.set(SERVICE_NAME, status)
+    @property
+    def port(self) -> int:
+        return self.host.port if self.host else 0
+
+    @property
+    def metrics_port(self) -> int:
+        return self.host.metrics_port if self.host else 0
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.grace_seconds if grace is None else grace
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.host is not None:
+            await self.host.set_serving(False)
         if self.engine is not None:
             await self.engine.drain(grace)
-        if self.server is not None:
-            await self.server.stop(1.0)
+        if self.host is not None:
+            await self.host.stop(1.0)
         if self.engine is not None:
             await self.engine.close()
         if isinstance(self.runner, TensorParallelRunner):
@@ -179,9 +167,6 @@ class InferenceServer:
             self._maintain.cancel()
         if self.grammar is not None:
             await self.grammar.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
 
 
 async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_port: int | None) -> None:
@@ -190,22 +175,18 @@ async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_po
     In a LeaderWorkerSet each rank is a pod with gRPC probes: health_port
     serves grpc.health.v1 (SERVING once the shard is loaded).
     """
-    server = None
-    status = None
+    host = None
     if health_port is not None:
-        status = health.aio.HealthServicer()
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(status, server)
-        await status.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        server.add_insecure_port(f"{config.host}:{health_port}")
-        await server.start()
+        host = ServiceHost((), reflection_enabled=False)
+        host.listen(config.host, health_port)
+        await host.start()
     runner, *_ = await asyncio.to_thread(load_runner, config, rank)
-    if status is not None:
-        await status.set("", health_pb2.HealthCheckResponse.SERVING)
+    if host is not None:
+        await host.set_serving(True)
     steps = await asyncio.to_thread(worker_loop, runner)
     log.info("tensor-parallel rank %d: rank 0 stopped the group after %d steps", rank.rank, steps)
-    if server is not None:
-        await server.stop(0)
+    if host is not None:
+        await host.stop(0)
 
 
 async def serve(config: InferenceServiceConfig) -> None:
@@ -224,24 +205,11 @@ async def serve(config: InferenceServiceConfig) -> None:
             await serve_worker(config, rank, None if local else config.port)
             return
     server = InferenceServer(config, rank, children)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(server.start())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if start.done():
-        start.result()
-        print(f"inference service listening on {config.host}:{server.port} "
-              f"(metrics http://{config.host}:{server.metrics_port}/metrics)", flush=True)
-        failed = asyncio.create_task(server.failed.wait())
-        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
-        failed.cancel()
-    else:
-        start.cancel()
-    stopped.cancel()
-    log.info("draining (grace %.1f s)", config.grace_seconds)
-    await server.stop()
-    if server.failed.is_set():
-        raise SystemExit("inference service stopped: its engine failed (see the log above)")
+
+    async def stop() -> None:
+        log.info("draining (grace %.1f s)", config.grace_seconds)
+        await server.stop()
+
+    await run_until_signalled(server.start(), stop, lambda: (
+        f"inference service listening on {config.host}:{server.port} "
+        f"(metrics http://{config.host}:{server.metrics_port}/metrics)"), failed=server.failed)
