@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from inference_svc.config import EngineConfig
-from inference_svc.grammar_session import GrammarSession
+from inference_svc.grammar_session import Constraint, GrammarSession
 from inference_svc.grammar_tier import GrammarRow, GrammarTier, PendingStep, RowOutcome, RowResult
 from inference_svc.masking import apply_masks
 from inference_svc.metrics import InferenceMetrics
@@ -168,7 +168,7 @@ class Engine:
 
     # --- requests ------------------------------------------------------------
 
-    async def submit(self, prompt: str, options: SamplingOptions, spec: object | None = None,
+    async def submit(self, prompt: str, options: SamplingOptions, spec: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "") -> GenerationRequest:
         """Validates and enqueues a request; its outputs arrive on `request.outputs`.
 

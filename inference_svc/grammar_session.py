@@ -13,12 +13,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 NO_REPLICA = -1
+KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request is constrained by, as the engine keeps it (grammar_tier.py turns it into grammar.v1).
+
+    JSON kinds get the grammar tier's defaults: compact separators, no free
+    whitespace, schema key order, strict; those finish with weak models.
+    """
+
+    kind: str  # one of KINDS
+    text: str = ""  # the schema, pattern, grammar or structural tag (JSON text)
+    choices: tuple[str, ...] = ()  # kind "choice"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}")
 
 
 @dataclass(eq=False)
 class GrammarSession:
-    # The grammar tier's constraint spec; opaque to the engine (it is only handed to compile).
-    spec: object
+    spec: Constraint
     jump_forward: bool = True
     grammar_id: str = ""
     replica: int = NO_REPLICA  # NO_REPLICA while compiling (or recompiling after a lost replica)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from inference_svc.grammar_session import GrammarSession
+from inference_svc.grammar_session import Constraint, GrammarSession
 from shared import errors
 from shared.codec import SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
@@ -197,6 +197,21 @@ def _row_result(result: gpb.SessionResult, sparse: SparseMask | None, wants_mask
     return RowResult(RowOutcome.FAILED, error=errors.UnavailableError(message))
 
 
+def grammar_spec(c: Constraint) -> gpb.GrammarSpec:
+    """The grammar tier's spec for a request's constraint (the grammar tier's JSON defaults apply)."""
+    if c.kind == "json_schema":
+        return gpb.GrammarSpec(json_schema=gpb.JsonSchema(schema=c.text))
+    if c.kind == "regex":
+        return gpb.GrammarSpec(regex=c.text)
+    if c.kind == "ebnf":
+        return gpb.GrammarSpec(ebnf=gpb.Ebnf(grammar=c.text))
+    if c.kind == "choice":
+        return gpb.GrammarSpec(choice=gpb.ChoiceList(choices=c.choices))
+    if c.kind == "json_object":
+        return gpb.GrammarSpec(json_object=gpb.JsonObject())
+    return gpb.GrammarSpec(structural_tag=c.text)
+
+
 def _check_answer(resp: gpb.StepResponse, steps: list[gpb.SessionStep]) -> None:
     """A response must answer exactly the sessions sent, in order: otherwise no row of it can be trusted."""
     if len(resp.results) != len(steps):
@@ -320,7 +335,8 @@ class GrammarTier:
                 if not r.registered:
                     await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
                     r.registered = True
-                resp = await r.client.compile(self.tokenizer.fingerprint, session.spec, self.compile_timeout_seconds)
+                resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(session.spec),
+                                              self.compile_timeout_seconds)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _RETRY_ELSEWHERE:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from inference_svc.config import EngineConfig
 from inference_svc.engine import Engine
+from inference_svc.grammar_session import Constraint
 from inference_svc.request import FinishReason, Output
 from inference_svc.sampling import SamplingOptions
 from shared import errors
-from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.status import abort
@@ -21,32 +21,20 @@ _FINISH = {
 }
 
 
-def grammar_spec(c: pb.Constraint) -> gpb.GrammarSpec | None:
-    """The grammar tier's spec for a client constraint (None: unconstrained).
-
-    JSON kinds get the grammar tier's defaults: compact separators, no free
-    whitespace, schema key order, strict; those finish with weak models.
-    """
+def constraint(c: pb.Constraint) -> Constraint | None:
+    """The engine's constraint for a client's (None: unconstrained)."""
     kind = c.WhichOneof("kind")
     if kind is None:
         return None
     if kind in ("json_schema", "regex", "ebnf", "structural_tag") and not getattr(c, kind).strip():
         raise errors.InvalidRequestError(f"constraint.{kind} is empty")
-    if kind == "json_schema":
-        return gpb.GrammarSpec(json_schema=gpb.JsonSchema(schema=c.json_schema))
-    if kind == "regex":
-        return gpb.GrammarSpec(regex=c.regex)
-    if kind == "ebnf":
-        return gpb.GrammarSpec(ebnf=gpb.Ebnf(grammar=c.ebnf))
     if kind == "choice":
         if not c.choice.choices:
             raise errors.InvalidRequestError("constraint.choice needs at least one choice")
-        return gpb.GrammarSpec(choice=gpb.ChoiceList(choices=c.choice.choices))
+        return Constraint("choice", choices=tuple(c.choice.choices))
     if kind == "json_object":
-        if not c.json_object:
-            return None  # json_object=false asks for nothing
-        return gpb.GrammarSpec(json_object=gpb.JsonObject())
-    return gpb.GrammarSpec(structural_tag=c.structural_tag)
+        return Constraint("json_object") if c.json_object else None  # json_object=false asks for nothing
+    return Constraint(kind, getattr(c, kind))
 
 
 def sampling_options(s: pb.SamplingParams, config: EngineConfig, max_model_len: int) -> SamplingOptions:
@@ -75,7 +63,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         engine = self.engine
         try:
             options = sampling_options(request.sampling, engine.config, engine.max_model_len)
-            spec = grammar_spec(request.constraint)
+            spec = constraint(request.constraint)
             req = await engine.submit(request.prompt, options, spec,
                                       jump_forward=not request.constraint.disable_jump_forward,
                                       request_id=request.request_id)
