@@ -42,28 +42,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_grammar(args: argparse.Namespace) -> int:
-    from grammar_svc.bench import run_bench
+    from structd.bench.grammar.run import run_bench
 
     _setup_logging(args.log_level)
     return run_bench(args)
 
 
 def _cmd_bench_e2e(args: argparse.Namespace) -> int:
-    from inference_svc.bench_e2e import run_bench
+    from structd.bench.e2e.run import run_bench
 
     _setup_logging(args.log_level)
     return run_bench(args)
 
 
 def _cmd_bench_soak(args: argparse.Namespace) -> int:
-    from inference_svc.bench_soak import run_bench
+    from structd.bench.soak import run_bench
 
     _setup_logging(args.log_level)
     return run_bench(args)
 
 
 def _cmd_bench_faults(args: argparse.Namespace) -> int:
-    from inference_svc.bench_faults import run_bench
+    from structd.bench.faults import run_bench
 
     _setup_logging(args.log_level)
     return run_bench(args)
@@ -113,13 +113,13 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     p = bsub.add_parser("grammar", help="grammar service: fill time, step round trip, wire bytes, compile time")
-    from grammar_svc.bench import add_arguments as add_bench_arguments
+    from structd.bench.grammar.run import add_arguments as add_bench_arguments
 
     add_bench_arguments(p)
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_cmd_bench_grammar)
     p = bsub.add_parser("e2e", help="end to end: constrained vs unconstrained TPOT, mask wait, throughput vs peers")
-    from inference_svc.bench_e2e import add_arguments as add_e2e_arguments
+    from structd.bench.e2e.run import add_arguments as add_e2e_arguments
 
     add_e2e_arguments(p)
     p.add_argument("--log-level", default="WARNING")
@@ -128,7 +128,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
                         description="Soak the whole stack on the simulated runner: concurrent streams with churn, "
                                     "client cancels and a grammar replica restarted periodically; reports requests "
                                     "lost to faults, leaked sessions and KV blocks, RSS growth and throughput.")
-    from inference_svc.bench_soak import add_arguments as add_soak_arguments
+    from structd.bench.soak import add_arguments as add_soak_arguments
 
     add_soak_arguments(p)
     p.add_argument("--log-level", default="WARNING")
@@ -136,7 +136,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     p = bsub.add_parser("faults", help="faults: latency of in-flight requests when a grammar replica is killed or hung",
                         description="Constrained requests in flight while one of two grammar replicas is killed "
                                     "(SIGKILL) or frozen (SIGSTOP): per-request latency, status and validity.")
-    from inference_svc.bench_faults import add_arguments as add_faults_arguments
+    from structd.bench.faults import add_arguments as add_faults_arguments
 
     add_faults_arguments(p)
     p.add_argument("--log-level", default="WARNING")

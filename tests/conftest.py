@@ -20,7 +20,7 @@ import pytest
 
 from grammar_svc.config import GrammarServiceConfig
 from grammar_svc.server import GrammarServer
-from shared.service_thread import ServiceThread
+from structd.bench.harness import ServiceThread
 
 REPO = Path(__file__).resolve().parent.parent
 # Reference data lives beside the working checkout (../shared/data); a clone made elsewhere on the same

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from inference_svc import bench_e2e, bench_e2e_report
+from structd.bench.e2e import report as bench_e2e_report
+from structd.bench.e2e import run as bench_e2e
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:

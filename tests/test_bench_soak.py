@@ -17,7 +17,8 @@ import signal
 
 import pytest
 
-from inference_svc import bench_soak, bench_soak_report
+from structd.bench import soak as bench_soak
+from structd.bench import soak_report as bench_soak_report
 from shared import cli
 
 

@@ -1,6 +1,6 @@
 """`structd bench grammar`: the grammar server under test, as a child process.
 
-A separate process (`python -m shared.cli grammar`), so the benchmark client
+A separate process (`structd grammar`, started by `harness.ChildService`), so the benchmark client
 and the server never share a GIL: client-side sampling and mask decoding do
 not show up as server time, and server threads do not slow the client.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.child_service import ChildService
+from structd.bench.harness import ChildService
 
 __all__ = ["ServerProcess", "histogram_from_metrics"]
 

@@ -60,9 +60,9 @@ def machine() -> dict:
     info["versions"] = versions
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                            cwd=Path(__file__).resolve().parent.parent, timeout=10).stdout.strip()
+                                            cwd=Path(__file__).resolve().parents[3], timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent.parent, timeout=10).stdout.split("\n")
+                               text=True, cwd=Path(__file__).resolve().parents[3], timeout=10).stdout.split("\n")
         info["git_modified_files"] = [line[3:] for line in dirty if line.strip()]
     except (OSError, subprocess.SubprocessError):
         pass

@@ -17,7 +17,7 @@ JSONSchemaBench sample measures
    fill time the wire does not carry, the class of each row (inside a
    maxLength string or not), and the bounded-string rewrite on the same
    tokens (grammar_svc.bounded_strings), checked mask by mask;
-4. the bounded-string micro-benchmark (grammar_svc.bench_bounded).
+4. the bounded-string micro-benchmark (structd.bench.grammar.bounded).
 
 Writes <out>/grammar-bench.json (every aggregate, the machine, the command
 line) and <out>/grammar-bench.png. Progress goes to stderr.
@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from grammar_svc.bench_walks import progress
+from structd.bench.grammar.walks import progress
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 DEFAULT_SCHEMAS = REPO.parent / "shared" / "data" / "jsonschemabench-sample.jsonl"
 
 
@@ -69,7 +69,7 @@ def add_arguments(parser):
     parser.add_argument("--bounded-lengths", type=_int_list, default=[4, 8, 16, 20, 32, 64, 128, 256, 0],
                         help="maxLength values of the bounded-string micro-benchmark (0: no maxLength); empty skips it")
     parser.add_argument("--bounded-walks", type=int, default=12, help="walks per maxLength in the micro-benchmark")
-    from grammar_svc.bench_burst import add_arguments as add_burst_arguments
+    from structd.bench.grammar.burst import add_arguments as add_burst_arguments
 
     add_burst_arguments(parser)
 
@@ -83,13 +83,13 @@ def load_schemas(path: Path, limit: int):
 
 def run_bench(args) -> int:
     if args.compile_burst:
-        from grammar_svc.bench_burst import run_burst
+        from structd.bench.grammar.burst import run_burst
 
         return run_burst(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    from grammar_svc import bench_report as report
+    from structd.bench.grammar import report
 
     result: dict = {
         "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd"
@@ -107,7 +107,7 @@ def run_bench(args) -> int:
     desc = default_description()
     server = None
     if not args.server:
-        from grammar_svc.bench_server import ServerProcess
+        from structd.bench.grammar.server import ServerProcess
 
         progress("starting the grammar server (child process)")
         # The bounded-string micro-benchmark asks for 120 s compile deadlines.
@@ -123,7 +123,7 @@ def run_bench(args) -> int:
     try:
         state = asyncio.run(_remote(args, target, desc, schemas, result))
         if server is not None:
-            from grammar_svc.bench_server import histogram_from_metrics
+            from structd.bench.grammar.server import histogram_from_metrics
 
             try:
                 text = server.metrics_text()
@@ -141,7 +141,7 @@ def run_bench(args) -> int:
     if not args.no_local and runs:
         import xgrammar as xgr
 
-        from grammar_svc import bench_local
+        from structd.bench.grammar import local as bench_local
 
         used = sorted({walk_keys[s.grammar] for r in runs for s in r.sessions})
         progress(f"local pass: compiling {len(used)} grammars here"
@@ -170,7 +170,7 @@ def run_bench(args) -> int:
 
 
 async def _remote(args, target: str, desc, schemas, result: dict):
-    from grammar_svc import bench_walks as bw
+    from structd.bench.grammar import walks as bw
     from shared.grammar_client import GrammarClient
 
     client = GrammarClient(target)
@@ -197,7 +197,7 @@ async def _remote(args, target: str, desc, schemas, result: dict):
         grammar_ids = [records[i].grammar_id for i in walk_keys]
         progress("transport floor: empty step messages")
         floor = await bw.floor_phase(client, reg.vocab_size, max(100, args.steps))
-        from grammar_svc.bench_report import summarize
+        from structd.bench.grammar.report import summarize
 
         result["empty_step"] = {"rtt_seconds": summarize(floor["rtt"]), "server_seconds": summarize(floor["server"])}
         runs = []
@@ -213,7 +213,7 @@ async def _remote(args, target: str, desc, schemas, result: dict):
         if args.bounded_lengths:
             import xgrammar as xgr
 
-            from grammar_svc.bench_bounded import run_bounded
+            from structd.bench.grammar.bounded import run_bounded
 
             progress(f"bounded-string micro-benchmark: maxLength {args.bounded_lengths}")
             info = xgr.TokenizerInfo.deserialize_json(desc.info_json)

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from grammar_svc.bench_walks import CompileRecord, _compile_once, progress, warm_up_compile_workers
+from structd.bench.grammar.walks import CompileRecord, _compile_once, progress, warm_up_compile_workers
 
 
 def add_arguments(parser) -> None:
@@ -128,8 +128,8 @@ async def _pass(target: str, desc, records: list[CompileRecord], timeout: float,
 
 
 def run_burst(args) -> int:
-    from grammar_svc import bench_report as report
-    from grammar_svc.bench import load_schemas
+    from structd.bench.grammar import report
+    from structd.bench.grammar.run import load_schemas
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def run_burst(args) -> int:
         "load_average_start": report.load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
-    from grammar_svc.bench import _server_default_compile_workers
+    from structd.bench.grammar.run import _server_default_compile_workers
 
     workers = args.compile_workers or _server_default_compile_workers()
     passes = {}
@@ -165,7 +165,7 @@ def run_burst(args) -> int:
         records = _records(chosen, f"structd-burst-{name}-{run_tag}" if args.server else None)
         server = None
         if not args.server:
-            from grammar_svc.bench_server import ServerProcess
+            from structd.bench.grammar.server import ServerProcess
 
             server = ServerProcess(compile_workers=args.compile_workers or None, fill_threads=args.fill_threads or None,
                                    compile_timeout_seconds=args.compile_timeout, log_path=out / f"server-{name}.log")
@@ -210,7 +210,7 @@ def _statuses(records: list[CompileRecord]) -> dict:
 
 
 def burst_aggregates(passes: dict, fast_seconds: float) -> dict:
-    from grammar_svc.bench_report import summarize
+    from structd.bench.grammar.report import summarize
 
     solo, burst = passes["solo"]["records"], passes["burst"]["records"]
     rows = []

@@ -17,6 +17,7 @@ generated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -93,3 +94,9 @@ def work(kind: str, count: int, offset: int = 0) -> list[Work]:
         name, schema = SCHEMAS[i]
         out.append(Work(i, PROMPTS[i], name if constrained else None, schema if constrained else None))
     return out
+
+
+def digest(token_ids) -> str:
+    """A short hash of a request's generated token ids: the records of structd and of every peer carry it, so
+    runs can be compared token for token."""
+    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]

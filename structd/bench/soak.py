@@ -39,8 +39,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_svc.bench_e2e_workload import SCHEMAS
-from shared.child_service import ChildService, free_port
+from structd.bench.e2e.workload import SCHEMAS
+from structd.bench.harness import ChildService, free_port
 from shared.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
@@ -505,7 +505,7 @@ def progress_line(s: dict, samples: list[dict], restarts: int, over: bool) -> st
 
 
 def run_bench(args) -> int:
-    from inference_svc import bench_soak_report as report
+    from structd.bench import soak_report as report
 
     check_arguments(args)
     out = Path(args.out)

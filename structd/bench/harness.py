@@ -1,14 +1,22 @@
-"""A `structd <service>` child process on a free loopback port, for benchmarks.
+"""Launchers for the services under a benchmark or a test: a child process, or a thread of this process.
 
+`ChildService`: a `structd <service>` child process on a free loopback port.
 A separate process, so a benchmark's client and the service never share a
 GIL: client-side work does not show up as service time, and service threads
 do not slow the client. The service picks its gRPC port (port 0) and
 announces it on stdout ("... listening on HOST:PORT"); its /metrics port is
 chosen here. Output goes to a log file beside the benchmark's results.
+
+`ServiceThread`: a service (anything with async start() and stop(grace)) run
+on a private event loop in a daemon thread. Tests and in-process benchmarks
+use it to reach a real server over real gRPC on loopback while still being
+able to look at its internals: `call` runs a coroutine on the server's loop,
+`run_sync` a plain function there (engine state is only touched on that loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -20,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -89,3 +97,33 @@ class ChildService:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         self._log.close()
+
+
+class ServiceThread:
+    def __init__(self, server, name: str, start_timeout: float = 600.0, **start_kwargs):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+        self.server = server
+        self.call(server.start(**start_kwargs), timeout=start_timeout)
+
+    def call(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run_sync(self, fn, timeout: float = 30.0):
+        async def go():
+            return fn()
+
+        return self.call(go(), timeout)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        """Idempotent: a test may stop a server early (a lost replica); its fixture stops it again."""
+        if not self._thread.is_alive():
+            return
+        self.call(self.server.stop(0), timeout=60.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

