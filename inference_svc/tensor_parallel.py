@@ -60,7 +60,8 @@ def rank_from_env(env: dict[str, str], tp: int) -> RankInfo | None:
 
 
 def spawn_local_ranks(tp: int, argv: Sequence[str]) -> tuple[RankInfo, list[subprocess.Popen]]:
-    """Rank 0 is this process; ranks 1..tp-1 are `python -m shared.cli <argv>` children with rank env set."""
+    """Rank 0 is this process; ranks 1..tp-1 are `python -m inference_svc <argv>` children with rank env set
+    (argv: the service's flags, as `python -m inference_svc` takes them)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -68,7 +69,7 @@ def spawn_local_ranks(tp: int, argv: Sequence[str]) -> tuple[RankInfo, list[subp
     for rank in range(1, tp):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), LOCAL_RANK=str(rank), **{SPAWNED_ENV: "1"})
-        children.append(subprocess.Popen([sys.executable, "-m", "shared.cli", *argv], env=env,
+        children.append(subprocess.Popen([sys.executable, "-m", "inference_svc", *argv], env=env,
                                          preexec_fn=_die_with_parent))
     return RankInfo(0, tp, "127.0.0.1", port, 0), children
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from shared import cli
+from structd import cli
 
 
 def test_sigkill_scenario_through_the_cli(tmp_path, capsys):

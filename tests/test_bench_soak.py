@@ -19,7 +19,7 @@ import pytest
 
 from structd.bench import soak as bench_soak
 from structd.bench import soak_report as bench_soak_report
-from shared import cli
+from structd import cli
 
 
 def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, capsys):

@@ -144,7 +144,7 @@ def serving() -> int:
 
 
 def wait_serving(target: str, proc: Proc) -> None:
-    from shared.up import wait_serving as up_wait_serving
+    from structd.up import wait_serving as up_wait_serving
 
     try:
         up_wait_serving(target, proc.popen, timeout=STARTUP_TIMEOUT)
@@ -175,7 +175,7 @@ def grammar_proc(tmp_path_factory):
     preload = tmp_path_factory.mktemp("preload") / "preload.jsonl"
     preload.write_text("\n".join(PRELOAD_LINES) + "\n")
     port, mport = free_ports(), free_ports()
-    proc = Proc([PYTHON, "-m", "shared.cli", "grammar", "--host", "127.0.0.1", "--port", str(port),
+    proc = Proc([PYTHON, "-m", "structd", "grammar", "--host", "127.0.0.1", "--port", str(port),
                  "--metrics-port", str(mport), "--compile-workers", "1", "--fill-threads", "1",
                  "--grace-seconds", "3", "--preload-file", str(preload)])
     try:
@@ -264,7 +264,7 @@ def test_grammar_preload_is_cache_hit(grammar_proc):
     ],
 )
 def test_grammar_bad_configuration_exits_nonzero(argv, env, message):
-    proc = subprocess.run([PYTHON, "-m", "shared.cli", "grammar", "--port", "0", "--metrics-port", "0", *argv],
+    proc = subprocess.run([PYTHON, "-m", "structd", "grammar", "--port", "0", "--metrics-port", "0", *argv],
                           cwd=REPO, env={**clean_env(), **env}, capture_output=True, text=True, timeout=EXIT_TIMEOUT)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
@@ -294,7 +294,7 @@ def test_up_serves_both_tiers_and_stops_on_sigint():
     `structd generate`, all stopped by one SIGINT."""
     port, mport = free_ports(2), free_ports(2)
     iport, imetrics = free_ports(), free_ports()
-    proc = Proc([PYTHON, "-m", "shared.cli", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+    proc = Proc([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
                  "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
                  "--metrics-port", str(imetrics), "--log-level", "WARNING"])
     try:
@@ -311,7 +311,7 @@ def test_up_serves_both_tiers_and_stops_on_sigint():
         for mp in (mport, mport + 1, imetrics):
             with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=30) as r:
                 assert r.status == 200
-        gen = subprocess.run([PYTHON, "-m", "shared.cli", "generate", "--target", f"127.0.0.1:{iport}", "--json",
+        gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", f"127.0.0.1:{iport}", "--json",
                               "--choice", "yes", "--choice", "no", "Well?"],
                              cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr
@@ -328,7 +328,7 @@ def test_up_serves_both_tiers_and_stops_on_sigint():
 
 
 def test_up_rejects_zero_replicas():
-    proc = subprocess.run([PYTHON, "-m", "shared.cli", "up", "--grammar-replicas", "0"], cwd=REPO, env=clean_env(),
+    proc = subprocess.run([PYTHON, "-m", "structd", "up", "--grammar-replicas", "0"], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=EXIT_TIMEOUT)
     assert proc.returncode == 2
     assert "--grammar-replicas must be at least 1" in proc.stderr

@@ -66,7 +66,7 @@ def _entrypoint(dockerfile: Path) -> list[str]:
 def test_commands_parse_with_the_real_cli(resolved):
     from grammar_svc import config as gconfig
     from inference_svc import config as iconfig
-    from shared.cli import build_parser
+    from structd.cli import build_parser
 
     s = resolved["services"]
     g_argv = _entrypoint(REPO / "grammar_svc" / "Dockerfile") + s["grammar"]["command"]

@@ -144,5 +144,5 @@ def test_build_context_yields_a_wheel_with_stubs_and_entry_point(tmp_path):
                  "shared/gen/inference/v1/inference_service_pb2.py",
                  "shared/gen/inference/v1/inference_service_pb2_grpc.py"):
         assert stub in names, stub
-    assert {"grammar_svc/server.py", "inference_svc/server.py", "shared/cli.py"} <= names
-    assert "structd = shared.cli:main" in entry_points
+    assert {"grammar_svc/server.py", "inference_svc/server.py", "structd/cli.py"} <= names
+    assert "structd = structd.cli:main" in entry_points

@@ -319,7 +319,7 @@ def test_container_args_parse_with_the_real_cli(objs, monkeypatch):
     $(VAR) stands for what Kubernetes substitutes; the model path exists only in the cluster."""
     from grammar_svc import config as gconfig
     from inference_svc import config as iconfig
-    from shared.cli import build_parser
+    from structd.cli import build_parser
 
     lws_env = {"LWS_GROUP_SIZE": str(_lws(objs)["spec"]["leaderWorkerTemplate"]["size"]),
                "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "structd-inference-0.structd-inference"}

@@ -22,7 +22,7 @@ import time
 import grpc
 import pytest
 
-from shared import generate_cli
+from structd import generate as generate_cli
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.inference_client import (AsyncInferenceClient, Completion, InferenceClient, InferenceError,
                                      RequestOptions, Usage, build_request, finish_reason_name)
@@ -341,7 +341,7 @@ def test_cli_unavailable(capsys):
 
 
 def test_cli_unavailable_subprocess():
-    proc = subprocess.run([PYTHON, "-m", "shared.generate_cli", "--target", f"127.0.0.1:{closed_port()}",
+    proc = subprocess.run([PYTHON, "-m", "structd.generate", "--target", f"127.0.0.1:{closed_port()}",
                            "--timeout-seconds", str(RPC_TIMEOUT), "--json", "hello"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
@@ -380,7 +380,7 @@ def test_cli_choice_repeats_and_defaults():
 
 
 def test_cli_ctrl_c_subprocess(inference_server):
-    proc = subprocess.Popen([PYTHON, "-m", "shared.generate_cli", "--target", inference_server.target,
+    proc = subprocess.Popen([PYTHON, "-m", "structd.generate", "--target", inference_server.target,
                              "--max-tokens", "2000", "--ignore-eos", "--temperature", "1",
                              "--regex", "x[a-z]{1,3000}", "endless"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

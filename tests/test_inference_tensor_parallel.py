@@ -40,10 +40,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tp2(grammar_server):
-    from shared.up import wait_serving
+    from structd.up import wait_serving
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "inference", "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(port),
                              "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
                              "--num-threads", "1", "--log-level", "WARNING"], cwd=REPO)
     try:

@@ -142,7 +142,7 @@ class InferenceLive:
         self.log = workdir / "inference.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shared.cli", "inference", "--host", "127.0.0.1", "--port", str(self.port),
+                [sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(self.port),
                  "--metrics-port", str(metrics_port), "--grammar-target", grammar.server.target,
                  "--device", "cpu", "--num-threads", "1", "--default-max-tokens", "16"],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from shared.inference_client import InferenceClient
-from shared.up import Backoff, Child, Supervisor, describe_exit
+from structd.up import Backoff, Child, Supervisor, describe_exit
 from tests.test_cli import PYTHON, Proc, children_of, free_ports, health, running, serving
 
 RESTART_TIMEOUT = 120.0  # bounds a broken run: a grammar replica starts in ~5 s, the inference service in ~10 s
@@ -116,7 +116,7 @@ class Up:
 def up():
     port, mport = free_ports(2), free_ports(2)
     iport, imetrics = free_ports(), free_ports()
-    proc = Proc([PYTHON, "-m", "shared.cli", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+    proc = Proc([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
                  "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
                  "--metrics-port", str(imetrics), "--log-level", "WARNING"])
     services: set[int] = set()

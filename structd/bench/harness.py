@@ -38,13 +38,13 @@ def free_port() -> int:
 
 
 class ChildService:
-    """A `python -m shared.cli <service>` child on port 0 (or `port`: a restart on the address clients already
+    """A `python -m structd <service>` child on port 0 (or `port`: a restart on the address clients already
     use); the port comes from its 'listening on' line."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 600.0, *, port: int = 0,
                  metrics_port: int | None = None):
         self.metrics_port = metrics_port or free_port()
-        self.cmd = [sys.executable, "-m", "shared.cli", *args, "--host", "127.0.0.1", "--port", str(port),
+        self.cmd = [sys.executable, "-m", "structd", *args, "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", "--grace-seconds", "1"]
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
 from structd.bench.harness import ChildService, free_port
-from shared.up import Backoff
+from structd.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
 STARTUP_TIMEOUT_SECONDS = 300.0

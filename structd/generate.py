@@ -5,7 +5,7 @@ line with text, finish_reason and usage at the end. Exit status: 0 success,
 1 the RPC failed or generation ended early (finish_reason error/cancelled),
 2 bad arguments or an unreadable file, 130 Ctrl-C.
 
-Wired into `shared.cli` as a subcommand; `python -m shared.generate_cli` runs
+Wired into `structd.cli` as a subcommand; `python -m structd.generate` runs
 it stand-alone.
 """
 

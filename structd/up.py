@@ -62,12 +62,12 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = STARTUP_T
 
 
 def grammar_command(host: str, port: int, metrics_port: int, log_level: str) -> list[str]:
-    return [sys.executable, "-m", "shared.cli", "grammar", "--host", host, "--port", str(port),
+    return [sys.executable, "-m", "structd", "grammar", "--host", host, "--port", str(port),
             "--metrics-port", str(metrics_port), "--log-level", log_level]
 
 
 def inference_command(args: argparse.Namespace, grammar_targets: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "shared.cli", "inference", "--host", args.host, "--port", str(args.port),
+    cmd = [sys.executable, "-m", "structd", "inference", "--host", args.host, "--port", str(args.port),
            "--metrics-port", str(args.metrics_port), "--grammar-target", ",".join(grammar_targets),
            "--tp", str(args.tp), "--log-level", args.log_level]
     if args.model:

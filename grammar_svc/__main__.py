@@ -1,0 +1,27 @@
+"""`python -m grammar_svc [flags]`: one grammar service replica, the same as `structd grammar [flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from grammar_svc import config
+from shared.entry import run_service, service_main
+
+HELP = "run the grammar service"
+DESCRIPTION = "Run one grammar service replica (gRPC grammar.v1.GrammarService)."
+add_arguments = config.add_arguments
+
+
+def run(args: argparse.Namespace) -> int:
+    from grammar_svc.server import serve
+
+    return run_service(serve, config.from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return service_main("grammar_svc", DESCRIPTION, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

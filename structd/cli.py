@@ -1,0 +1,129 @@
+"""The `structd` command line: one console script, one subcommand per tool.
+
+`structd grammar` and `structd inference` are the services' own entries
+(grammar_svc/__main__.py, inference_svc/__main__.py: `structd grammar FLAGS`
+is `python -m grammar_svc FLAGS`); `up`, `generate` and `bench` are this
+package's. A subcommand whose code is not installed is left out: each image
+installs only its own service and this module (grammar_svc/Dockerfile,
+inference_svc/Dockerfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+from shared.entry import setup_logging
+
+# Subcommand -> the service entry module it runs.
+SERVICES = {"grammar": "grammar_svc.__main__", "inference": "inference_svc.__main__"}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its package is not installed
+        return False
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from structd.up import run_up
+
+    setup_logging(args.log_level)
+    return run_up(args)
+
+
+def _bench_command(module: str):
+    def run(args: argparse.Namespace) -> int:
+        setup_logging(args.log_level)
+        return importlib.import_module(module).run_bench(args)
+
+    return run
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="run the services locally, restarting any that exits, until SIGINT/SIGTERM",
+                       description="Start grammar replica(s) and the inference service locally, print where they "
+                                   "listen once all are SERVING, restart any that exits (exponential back-off, "
+                                   "same ports), stop them cleanly on SIGINT/SIGTERM.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="inference service gRPC port")
+    p.add_argument("--metrics-port", type=int, default=9401, help="inference service /metrics port")
+    p.add_argument("--grammar-port", type=int, default=50052)
+    p.add_argument("--grammar-metrics-port", type=int, default=9402)
+    p.add_argument("--grammar-replicas", type=int, default=1,
+                   help="replicas take consecutive ports from --grammar-port and --grammar-metrics-port")
+    p.add_argument("--model", default=None, help="Hugging Face causal LM directory (default: the embedded model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the inference service")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_cmd_up)
+
+
+# (name, module with add_arguments and run_bench, help, description)
+BENCHMARKS = [
+    ("grammar", "structd.bench.grammar.run", "grammar service: fill time, step round trip, wire bytes, compile time",
+     None),
+    ("e2e", "structd.bench.e2e.run", "end to end: constrained vs unconstrained TPOT, mask wait, throughput vs peers",
+     None),
+    ("soak", "structd.bench.soak", "soak: hundreds of streams with churn, cancels and grammar replica restarts",
+     "Soak the whole stack on the simulated runner: concurrent streams with churn, client cancels and a grammar "
+     "replica restarted periodically; reports requests lost to faults, leaked sessions and KV blocks, RSS growth "
+     "and throughput."),
+    ("faults", "structd.bench.faults", "faults: latency of in-flight requests when a grammar replica is killed or hung",
+     "Constrained requests in flight while one of two grammar replicas is killed (SIGKILL) or frozen (SIGSTOP): "
+     "per-request latency, status and validity."),
+]
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, module, help_text, description in BENCHMARKS:
+        p = bsub.add_parser(name, help=help_text, **({"description": description} if description else {}))
+        importlib.import_module(module).add_arguments(p)
+        p.add_argument("--log-level", default="WARNING")
+        p.set_defaults(func=_bench_command(module))
+
+
+def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="structd", description=__doc__.split("\n\n")[0].strip())
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in SERVICES.items():
+        if _installed(module):
+            entry = importlib.import_module(module)
+            p = sub.add_parser(name, help=entry.HELP, description=entry.DESCRIPTION)
+            entry.add_arguments(p, env)
+            p.set_defaults(func=entry.run)
+    if all(_installed(m) for m in (*SERVICES.values(), "structd.up")):
+        _add_up(sub)
+    if _installed("structd.generate"):
+        from structd import generate
+
+        p = sub.add_parser("generate", help="generate a completion from a running inference service",
+                           description="Stream one (optionally grammar-constrained) completion from "
+                                       "inference.v1.InferenceService.")
+        generate.add_arguments(p)
+        p.set_defaults(func=generate.run)
+    if _installed("structd.bench"):
+        _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(dict(os.environ)).parse_args(argv)
+    if args.command in SERVICES:
+        # From here this process is the service, as `python -m <package> FLAGS` would be: its sys.argv[1:] are
+        # the service's flags (a tensor-parallel rank 0 starts its other ranks with them).
+        sys.argv[1:] = argv[argv.index(args.command) + 1:]
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
