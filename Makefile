@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: it resolves to the local CPU wheel, not a CUDA download.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# Both services, the benchmarks and the tests: what `make run` and `make test` use.
+	$(PY) -m pip install --quiet -e '.[inference,bench,test]'
 	touch $(STAMP)
 
 run: setup

@@ -1,14 +1,19 @@
 """The two Dockerfiles. Docker cannot run here, so the build is replayed
-without it: the build context the Dockerfiles see (the files they COPY,
-less .dockerignore) gets the stubs generated the way `make setup` does and is
-built into the wheel `pip install .` installs, which must carry the stubs
-and the `structd` entry point. The rest are the rules every image follows.
+without it: each image's build context (the files its Dockerfile COPYs, less
+.dockerignore) gets the stubs generated the way `make setup` does and is
+built into the wheel its `pip install` installs, which must carry the stubs,
+the `structd` entry point and its own service only: no other service, no
+benchmarks, no dependency of another extra. The image's command line and its
+server then load from that context alone. The rest are the rules every image
+follows.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
+import site
 import shutil
 import subprocess
 import sys
@@ -21,6 +26,8 @@ import pytest
 from tests.deploy_assets import REPO
 
 DOCKERFILES = {"grammar": REPO / "grammar_svc" / "Dockerfile", "inference": REPO / "inference_svc" / "Dockerfile"}
+# The image's `pip install` of the package: `pip install .` or `pip install ".[extra,...]"`.
+PIP_INSTALL = re.compile(r"""pip install (['"]?)\.(?:\[([\w,-]+)\])?\1(?:\s|$)""")
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -46,7 +53,7 @@ def test_dockerfile_rules(service):
     # The pinned torch, first, from the PyTorch index: CPU build for grammar, CUDA build for inference.
     torch_run = next(r for r in runs if "torch==" in r)
     assert f"torch=={_torch_pin()}" in torch_run
-    assert runs.index(torch_run) < next(i for i, r in enumerate(runs) if "pip install ." in r)
+    assert runs.index(torch_run) < next(i for i, r in enumerate(runs) if PIP_INSTALL.search(r))
     args = {a.split("=")[0]: a.split("=", 1)[1] for i, a in ins if i == "ARG" and "=" in a}
     index = re.search(r"--index-url\s+(\S+)", torch_run).group(1).strip('"')
     index = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m.group(1)], index)
@@ -57,8 +64,8 @@ def test_dockerfile_rules(service):
     # Stubs as `make setup` makes them, before the package is installed.
     make_setup = re.search(r"^setup:.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M).group(1)
     assert "-m shared.protogen" in make_setup
-    build = next(r for r in runs if "pip install ." in r)
-    assert build.index("python -m shared.protogen") < build.index("pip install .")
+    build = next(r for r in runs if PIP_INSTALL.search(r))
+    assert build.index("python -m shared.protogen") < PIP_INSTALL.search(build).start()
     # Non-root, numerically (runAsNonRoot can only verify numeric users).
     user = [a for i, a in ins if i == "USER"][-1]
     assert re.fullmatch(r"[1-9][0-9]*(:[1-9][0-9]*)?", user), user
@@ -107,26 +114,60 @@ def _setuptools_builds_here() -> bool:
         return False
 
 
-def test_build_context_yields_a_wheel_with_stubs_and_entry_point(tmp_path):
-    """COPY sources as the Dockerfile lists them, honouring .dockerignore; then its RUN line."""
-    ins = instructions(DOCKERFILES["grammar"])
-    assert [a for i, a in instructions(DOCKERFILES["inference"]) if i == "COPY"] == \
-        [a for i, a in ins if i == "COPY"], "both images build the same package"
+def _build_context(service: str, ctx: Path) -> None:
+    """COPY sources as the Dockerfile lists them (a directory's files below dest, a file into a dest/ folder),
+    honouring .dockerignore."""
     ignore = _dockerignore()
-    ctx = tmp_path / "app"
-    ctx.mkdir()
-    for _, a in (x for x in ins if x[0] == "COPY"):
+    for _, a in (x for x in instructions(DOCKERFILES[service]) if x[0] == "COPY"):
         *sources, dest = a.split()
         for src in sources:
             path = REPO / src
-            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-            for f in files:
-                rel = f.relative_to(REPO).as_posix()
-                if _ignored(rel, ignore):
-                    continue
-                target = ctx / (rel if dest.endswith("/") or dest == "./" or path.is_dir() else dest)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, target)
+            if path.is_dir():
+                pairs = [(f, Path(dest) / f.relative_to(path)) for f in path.rglob("*") if f.is_file()]
+            else:
+                pairs = [(path, Path(dest) / path.name if dest.endswith("/") else Path(dest))]
+            for f, target in pairs:
+                if not _ignored(f.relative_to(REPO).as_posix(), ignore):
+                    (ctx / target).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, ctx / target)
+
+
+def _installed_requirements(metadata: str, extras: set[str]) -> list[str]:
+    """The wheel's Requires-Dist lines that `pip install .[extras]` installs."""
+    out = []
+    for line in metadata.splitlines():
+        if line.startswith("Requires-Dist: "):
+            req, _, marker = line[len("Requires-Dist: "):].partition(";")
+            extra = re.search(r"extra\s*==\s*['\"]([\w-]+)['\"]", marker)
+            if extra is None or extra.group(1) in extras:
+                out.append(req.strip())
+    return out
+
+
+# Loads the image's command line and its server from the build context alone: no site processing (so no
+# editable install of the repository), the environment's site-packages for the third-party dependencies.
+PROBE = """
+import argparse, importlib, json, sys
+ctx, site_dirs, modules, argv = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+sys.path[:] = [ctx, *[p for p in sys.path if p and 'site-packages' not in p], *site_dirs]
+for m in modules:
+    importlib.import_module(m)
+from structd.cli import build_parser
+parser = build_parser({})
+parser.parse_args(argv)
+sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+packages = {m.split('.')[0] for m in sys.modules} & {'grammar_svc', 'inference_svc', 'structd'}
+print(json.dumps({"commands": sorted(sub.choices), "loaded": sorted(packages)}))
+"""
+IMAGE_COMMANDS = {"grammar": ["grammar"], "inference": ["generate", "inference"]}
+
+
+@pytest.mark.parametrize("service", sorted(DOCKERFILES))
+def test_build_context_yields_a_wheel_with_its_service_only(service, tmp_path):
+    ins = instructions(DOCKERFILES[service])
+    ctx = tmp_path / "app"
+    ctx.mkdir()
+    _build_context(service, ctx)
     assert not (ctx / "shared" / "gen").exists(), ".dockerignore must keep local stubs out of the context"
     gen = subprocess.run([sys.executable, "-m", "shared.protogen"], cwd=ctx, capture_output=True, text=True,
                          timeout=120)
@@ -140,9 +181,30 @@ def test_build_context_yields_a_wheel_with_stubs_and_entry_point(tmp_path):
     with zipfile.ZipFile(whl) as z:
         names = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+        metadata = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
     for stub in ("shared/gen/grammar/v1/grammar_service_pb2.py", "shared/gen/grammar/v1/grammar_service_pb2_grpc.py",
                  "shared/gen/inference/v1/inference_service_pb2.py",
                  "shared/gen/inference/v1/inference_service_pb2_grpc.py"):
         assert stub in names, stub
-    assert {"grammar_svc/server.py", "inference_svc/server.py", "structd/cli.py"} <= names
+    own, other = f"{service}_svc", ("inference_svc" if service == "grammar" else "grammar_svc")
+    assert {f"{own}/server.py", f"{own}/__main__.py", "shared/entry.py", "structd/cli.py"} <= names
+    assert not [n for n in names if n.startswith((f"{other}/", "structd/bench/", "tests/"))]
     assert "structd = structd.cli:main" in entry_points
+    # Dependencies: the base and this image's extras only; the benchmarks' plotting is in none.
+    build = next(a for i, a in ins if i == "RUN" and PIP_INSTALL.search(a))
+    extras = set(filter(None, (PIP_INSTALL.search(build).group(2) or "").split(",")))
+    assert extras == ({"inference"} if service == "inference" else set())
+    requirements = " ".join(_installed_requirements(metadata, extras))
+    assert "matplotlib" not in requirements
+    assert ("accelerate" in requirements) == (service == "inference"), "tensor-parallel sharding needs accelerate"
+    # The image's command (ENTRYPOINT + CMD) parses, and the service's server loads, from the context alone.
+    entry = json.loads(next(a for i, a in reversed(ins) if i == "ENTRYPOINT"))
+    cmd = json.loads(next(a for i, a in reversed(ins) if i == "CMD"))
+    assert entry[0] == "structd"
+    probe = subprocess.run([sys.executable, "-S", "-E", "-c", PROBE, str(ctx), json.dumps(site.getsitepackages()),
+                            json.dumps([f"{own}.server"]), json.dumps(entry[1:] + cmd)],
+                           cwd=ctx, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    out = json.loads(probe.stdout.splitlines()[-1])
+    assert out["commands"] == IMAGE_COMMANDS[service]
+    assert other not in out["loaded"]
