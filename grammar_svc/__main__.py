@@ -13,7 +13,8 @@ DESCRIPTION = "Run one grammar service replica (gRPC grammar.v1.GrammarService).
 add_arguments = config.add_arguments
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """argv: the flags it was started with (unused: the configuration is in args)."""
     from grammar_svc.server import serve
 
     return run_service(serve, config.from_args(args))

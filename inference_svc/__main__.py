@@ -18,10 +18,11 @@ DESCRIPTION = ("Run one inference service replica (gRPC inference.v1.InferenceSe
 add_arguments = config.add_arguments
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """argv: the flags it was started with (ranks it starts itself get the same)."""
     from inference_svc.server import serve
 
-    return run_service(serve, config.from_args(args))
+    return run_service(serve, config.from_args(args), argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -189,7 +189,9 @@ async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_po
         await host.stop(0)
 
 
-async def serve(config: InferenceServiceConfig) -> None:
+async def serve(config: InferenceServiceConfig, argv: Sequence[str] = ()) -> None:
+    """Runs one replica until SIGTERM/SIGINT. argv: the flags it was started with; with --tp N and no
+    rank layout in the environment, ranks 1..N-1 are started locally with the same flags."""
     # The forward runs on its own thread while the event loop handles gRPC and grammar answers: with
     # CPython's default 5 ms GIL switch interval, a finished forward can wait milliseconds to be
     # noticed. Hand the GIL over at least every 0.5 ms instead.
@@ -198,7 +200,7 @@ async def serve(config: InferenceServiceConfig) -> None:
     if config.tp > 1:
         rank = rank_from_env(dict(os.environ), config.tp)
         if rank is None:
-            rank, children = spawn_local_ranks(config.tp, sys.argv[1:])
+            rank, children = spawn_local_ranks(config.tp, argv)
         elif rank.rank != 0:
             # A rank this process started itself shares rank 0's host and ports: no health server.
             local = os.environ.get(SPAWNED_ENV) == "1"

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,21 +22,23 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT)
 
 
-def run_service(serve: Callable[[Any], Awaitable[None]], config: Any) -> int:
-    """Logging at the config's log_level, then the service's serve(config) until it returns (SIGTERM/SIGINT)."""
+def run_service(serve: Callable[..., Awaitable[None]], config: Any, *serve_args: Any) -> int:
+    """Logging at the config's log_level, then the service's serve(config, *serve_args) until it returns
+    (SIGTERM/SIGINT)."""
     setup_logging(config.log_level)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, *serve_args))
     return 0
 
 
 def service_main(package: str, description: str,
                  add_arguments: Callable[[argparse.ArgumentParser, dict[str, str]], None],
-                 run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
-    """`python -m <package> [flags]`: the service's flags (defaults from the environment), then run(args)."""
+                 run: Callable[[argparse.Namespace, list[str]], int], argv: list[str] | None = None) -> int:
+    """`python -m <package> [flags]`: the service's flags (defaults from the environment), then run(args, flags)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog=f"python -m {package}", description=description)
     add_arguments(parser, dict(os.environ))
     args = parser.parse_args(argv)
     try:
-        return run(args) or 0
+        return run(args, argv) or 0
     except KeyboardInterrupt:
         return 130

@@ -96,7 +96,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
             entry = importlib.import_module(module)
             p = sub.add_parser(name, help=entry.HELP, description=entry.DESCRIPTION)
             entry.add_arguments(p, env)
-            p.set_defaults(func=entry.run)
+            p.set_defaults(func=entry.run, service=True)
     if all(_installed(m) for m in (*SERVICES.values(), "structd.up")):
         _add_up(sub)
     if _installed("structd.generate"):
@@ -115,11 +115,10 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(dict(os.environ)).parse_args(argv)
-    if args.command in SERVICES:
-        # From here this process is the service, as `python -m <package> FLAGS` would be: its sys.argv[1:] are
-        # the service's flags (a tensor-parallel rank 0 starts its other ranks with them).
-        sys.argv[1:] = argv[argv.index(args.command) + 1:]
     try:
+        if getattr(args, "service", False):
+            # A service gets the flags it was started with (a tensor-parallel rank 0 starts its other ranks with them).
+            return args.func(args, argv[argv.index(args.command) + 1:]) or 0
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
