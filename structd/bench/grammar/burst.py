@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.grammar.walks import CompileRecord, _compile_once, progress, warm_up_compile_workers
+from structd.bench.grammar.walks import (CompileRecord, _compile_once, load_schemas, progress,
+                                         server_default_compile_workers, warm_up_compile_workers)
 
 
 def add_arguments(parser) -> None:
@@ -129,7 +130,6 @@ async def _pass(target: str, desc, records: list[CompileRecord], timeout: float,
 
 def run_burst(args) -> int:
     from structd.bench.grammar import report
-    from structd.bench.grammar.run import load_schemas
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,9 +151,8 @@ def run_burst(args) -> int:
         "load_average_start": report.load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
     }
-    from structd.bench.grammar.run import _server_default_compile_workers
 
-    workers = args.compile_workers or _server_default_compile_workers()
+    workers = args.compile_workers or server_default_compile_workers()
     passes = {}
     run_tag = f"{int(started)}"
     for name, concurrency in (("solo", 1), ("burst", args.burst_concurrency), ("fast_only", args.burst_concurrency)):

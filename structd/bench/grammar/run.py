@@ -31,7 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.grammar.walks import progress
+from structd.bench.grammar.burst import add_arguments as add_burst_arguments
+from structd.bench.grammar.burst import run_burst
+from structd.bench.grammar.walks import load_schemas, progress, server_default_compile_workers
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_SCHEMAS = REPO.parent / "shared" / "data" / "jsonschemabench-sample.jsonl"
@@ -69,22 +71,12 @@ def add_arguments(parser):
     parser.add_argument("--bounded-lengths", type=_int_list, default=[4, 8, 16, 20, 32, 64, 128, 256, 0],
                         help="maxLength values of the bounded-string micro-benchmark (0: no maxLength); empty skips it")
     parser.add_argument("--bounded-walks", type=int, default=12, help="walks per maxLength in the micro-benchmark")
-    from structd.bench.grammar.burst import add_arguments as add_burst_arguments
 
     add_burst_arguments(parser)
 
 
-def load_schemas(path: Path, limit: int):
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if limit and limit < len(rows):
-        rows = [rows[int(i * len(rows) / limit)] for i in range(limit)]
-    return rows
-
-
 def run_bench(args) -> int:
     if args.compile_burst:
-        from structd.bench.grammar.burst import run_burst
-
         return run_burst(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +171,7 @@ async def _remote(args, target: str, desc, schemas, result: dict):
         reg = await client.register_tokenizer(desc)
         result["register_tokenizer_seconds"] = time.perf_counter() - t
         result["vocab_size"] = reg.vocab_size
-        workers = args.compile_workers or _server_default_compile_workers()
+        workers = args.compile_workers or server_default_compile_workers()
         concurrency = args.compile_concurrency or workers
         result["compile_concurrency"] = concurrency
         progress(f"tokenizer registered ({reg.vocab_size} tokens); warming up {workers} compile worker(s)")
@@ -227,12 +219,6 @@ async def _remote(args, target: str, desc, schemas, result: dict):
 
 def _slots(args) -> int | None:
     return None if args.mask_cache_slots < 0 else args.mask_cache_slots
-
-
-def _server_default_compile_workers() -> int:
-    from grammar_svc.config import GrammarServiceConfig
-
-    return GrammarServiceConfig().compile_workers
 
 
 def _p(xs, q) -> float:

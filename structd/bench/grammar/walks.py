@@ -37,6 +37,20 @@ def open_stream(client: GrammarClient, vocab_size: int, mask_cache_slots: int | 
     return client.open_stream(), MaskDecoder(vocab_size)
 
 
+def load_schemas(path, limit: int) -> list[dict]:
+    """The JSON Lines schema file's rows; with a limit, that many spread evenly over the file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if limit and limit < len(rows):
+        rows = [rows[int(i * len(rows) / limit)] for i in range(limit)]
+    return rows
+
+
+def server_default_compile_workers() -> int:
+    from grammar_svc.config import GrammarServiceConfig
+
+    return GrammarServiceConfig().compile_workers
+
+
 def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
