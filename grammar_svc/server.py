@@ -19,13 +19,13 @@ from grammar_svc.servicer import GrammarServicer
 from grammar_svc.sessions import SessionLimiter
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
-from shared.service_host import ServiceHost, run_until_signalled
+from shared.service_host import Hosted, ServiceHost, run_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
-class GrammarServer:
+class GrammarServer(Hosted):
     """One grammar replica. `start` returns once it is SERVING; `stop` drains."""
 
     def __init__(self, config: GrammarServiceConfig):
@@ -45,14 +45,6 @@ class GrammarServer:
         # Created in start(): grpc.aio objects bind to the running event loop.
         self.host: ServiceHost | None = None
         self._sweeper: asyncio.Task | None = None
-
-    @property
-    def port(self) -> int:
-        return self.host.port if self.host else 0
-
-    @property
-    def metrics_port(self) -> int:
-        return self.host.metrics_port if self.host else 0
 
     async def start(self) -> None:
         c = self.config

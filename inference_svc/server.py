@@ -27,7 +27,7 @@ from inference_svc.tensor_parallel import (SPAWNED_ENV, RankInfo, TensorParallel
                                            spawn_local_ranks, worker_loop)
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.service_host import ServiceHost, run_until_signalled
+from shared.service_host import Hosted, ServiceHost, run_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -80,7 +80,7 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None):
     return runner, tok, eos_ids, model.config.max_position_embeddings
 
 
-class InferenceServer:
+class InferenceServer(Hosted):
     """One inference replica. `start` returns once it is SERVING; `stop` drains."""
 
     def __init__(self, config: InferenceServiceConfig, rank: RankInfo | None = None,
@@ -137,14 +137,6 @@ class InferenceServer:
         log.critical("the engine stopped (%r): NOT_SERVING; the process exits so it is replaced", cause)
         self.failed.set()
         asyncio.ensure_future(self.host.set_serving(False))
-
-    @property
-    def port(self) -> int:
-        return self.host.port if self.host else 0
-
-    @property
-    def metrics_port(self) -> int:
-        return self.host.metrics_port if self.host else 0
 
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.grace_seconds if grace is None else grace

@@ -75,6 +75,20 @@ class ServiceHost:
             self._metrics_http = None
 
 
+class Hosted:
+    """For a server class that keeps its ServiceHost in `self.host` (None until started): where it listens."""
+
+    host: ServiceHost | None = None
+
+    @property
+    def port(self) -> int:
+        return self.host.port if self.host else 0
+
+    @property
+    def metrics_port(self) -> int:
+        return self.host.metrics_port if self.host else 0
+
+
 async def run_until_signalled(start: Awaitable[None], stop: Callable[[], Awaitable[None]], announce: Callable[[], str],
                               failed: asyncio.Event | None = None) -> None:
     """Starts a server, prints `announce()` once it is up, runs until SIGTERM/SIGINT (or `failed`), then stops.

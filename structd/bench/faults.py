@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import ChildService
+from structd.bench.harness import ChildService, arguments, command_line
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 FAULTS = {"none": None, "sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -155,8 +155,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for name in names:
         progress(f"scenario {name}: starting 2 grammar replicas and the inference service ...")
         scenarios.append(run_scenario(name, args, args.out / "logs"))
-    result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-              "machine": machine(1), "scenarios": scenarios}
+    result = {"command": command_line(), "config": arguments(args), "machine": machine(1), "scenarios": scenarios}
     (args.out / "faults-bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "faults-bench.png")
     print(markdown(result))

@@ -31,6 +31,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def command_line() -> str:
+    """How this benchmark was invoked, for its JSON (`structd ...` when run through the console script)."""
+    return " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd" else " ".join(sys.argv)
+
+
+def arguments(args) -> dict:
+    """A benchmark's parsed arguments as JSON-ready values."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

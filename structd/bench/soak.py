@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
-from structd.bench.harness import ChildService, free_port
+from structd.bench.harness import ChildService, arguments, command_line, free_port
 from structd.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
@@ -512,9 +512,8 @@ def run_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     result: dict = {
-        "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd"
-        else " ".join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "command": command_line(),
+        "arguments": arguments(args),
         "machine": report.machine(),
         "load_average_start": report.load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

@@ -37,7 +37,7 @@ from pathlib import Path
 from structd.bench.e2e import report
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
-from structd.bench.harness import ChildService, ServiceThread
+from structd.bench.harness import ChildService, ServiceThread, arguments, command_line
 
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
@@ -388,9 +388,8 @@ def run_bench(args) -> int:
     threads = InferenceServiceConfig(num_threads=args.torch_threads).torch_threads()
     args.torch_threads = threads
     result: dict = {
-        "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd"
-        else " ".join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k != "func"},
+        "command": command_line(),
+        "arguments": arguments(args),
         "machine": report.machine(threads),
         "load_average_start": load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

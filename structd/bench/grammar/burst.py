@@ -27,12 +27,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 from structd.bench.grammar.walks import (CompileRecord, _compile_once, load_schemas, progress,
                                          server_default_compile_workers, warm_up_compile_workers)
+from structd.bench.harness import arguments, command_line
 
 
 def add_arguments(parser) -> None:
@@ -145,8 +145,8 @@ def run_burst(args) -> int:
 
     desc = default_description()
     result: dict = {
-        "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd" else " ".join(sys.argv),
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "command": command_line(),
+        "arguments": arguments(args),
         "machine": report.machine(),
         "load_average_start": report.load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
 from structd.bench.grammar.burst import add_arguments as add_burst_arguments
 from structd.bench.grammar.burst import run_burst
 from structd.bench.grammar.walks import load_schemas, progress, server_default_compile_workers
+from structd.bench.harness import arguments, command_line
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_SCHEMAS = REPO.parent / "shared" / "data" / "jsonschemabench-sample.jsonl"
@@ -84,9 +84,8 @@ def run_bench(args) -> int:
     from structd.bench.grammar import report
 
     result: dict = {
-        "command": " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd"
-        else " ".join(sys.argv),
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "command": command_line(),
+        "arguments": arguments(args),
         "machine": report.machine(),
         "load_average_start": report.load_average(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
