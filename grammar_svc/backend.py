@@ -1,4 +1,5 @@
-"""Engine-level grammar backend: tokenizers, compilation, cache, bitmasks.
+"""Engine-level grammar backend: tokenizers, compilation and the compiled-grammar cache (masks are the
+sessions' and the mask filler's).
 
 The request-level counterpart is `grammar_svc.session.GrammarSession` (the
 same two levels as vLLM's structured-output backend types). Compiles of the

@@ -29,7 +29,8 @@ class GrammarServiceConfig:
     max_compile_timeout_seconds: float = 60.0
     # How long a compile timeout is answered from the cache (it may have been the load's doing).
     compile_timeout_cache_seconds: float = 30.0
-    # Threads that fill one step's masks in parallel.
+    # Helper threads for the rows whose last fill was slow (bounded strings); the rest of a step's rows are
+    # filled in a loop on the step's own thread (mask_filler.py says why).
     fill_threads: int = max(1, os.cpu_count() or 2)
     cache_bytes: int = 1 << 30
     max_spec_bytes: int = 1 << 20
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
           "cap on the compile deadline a request may ask for")
     f.add("--compile-timeout-cache-seconds", d.compile_timeout_cache_seconds,
           "how long a compile timeout is answered from the cache")
-    f.add("--fill-threads", d.fill_threads)
+    f.add("--fill-threads", d.fill_threads, "helper threads for rows whose last mask fill was slow")
     f.add("--cache-bytes", d.cache_bytes)
     f.add("--max-spec-bytes", d.max_spec_bytes)
     f.add("--max-sessions", d.max_sessions)
