@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import ChildService, arguments, command_line
+from structd.bench.harness import ChildService, result_header
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 FAULTS = {"none": None, "sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -134,8 +134,8 @@ def plot(result: dict, path: Path) -> None:
         ax.scatter(xs, [r["latency_seconds"] for r in s["requests"]], alpha=0.6, color="tab:blue")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("request latency (s)")
-    ax.set_title(f"{result['config']['requests']} constrained requests; fault on 1 of 2 grammar replicas "
-                 f"at {result['config']['fault_after_seconds']:g} s", fontsize=9)
+    ax.set_title(f"{result['arguments']['requests']} constrained requests; fault on 1 of 2 grammar replicas "
+                 f"at {result['arguments']['fault_after_seconds']:g} s", fontsize=9)
     ax.set_ylim(bottom=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -151,11 +151,12 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: --faults takes {', '.join(FAULTS)}; --requests must be >= 1", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
     scenarios = []
     for name in names:
         progress(f"scenario {name}: starting 2 grammar replicas and the inference service ...")
         scenarios.append(run_scenario(name, args, args.out / "logs"))
-    result = {"command": command_line(), "config": arguments(args), "machine": machine(1), "scenarios": scenarios}
+    result = {**result_header(args, machine(1), started), "scenarios": scenarios}
     (args.out / "faults-bench.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, args.out / "faults-bench.png")
     print(markdown(result))

@@ -41,6 +41,20 @@ def arguments(args) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
 
 
+def load_average() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []  # the machine's: no /proc (not Linux)
+
+
+def result_header(args, machine: dict, started: float) -> dict:
+    """What every benchmark's JSON starts with: how it was run, on what, and how busy the machine was."""
+    return {"command": command_line(), "arguments": arguments(args), "machine": machine,
+            "load_average_start": load_average(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

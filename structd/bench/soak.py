@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
-from structd.bench.harness import ChildService, arguments, command_line, free_port
+from structd.bench.harness import ChildService, free_port, load_average, result_header
 from structd.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
@@ -511,13 +511,7 @@ def run_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    result: dict = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "machine": report.machine(),
-        "load_average_start": report.load_average(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-    }
+    result: dict = result_header(args, report.machine(), started)
     progress(f"{args.streams} streams for {args.duration_seconds:g} s on the simulated runner "
              f"({args.simulate_step_ms:g} ms/step), a grammar replica restarted every "
              f"{args.restart_every_seconds:g} s; starting 2 grammar replicas and the inference server")
@@ -530,7 +524,7 @@ def run_bench(args) -> int:
         progress("stopping the services")
         services.stop()
     result.update(report.summarize(args, run))
-    result["load_average_end"] = report.load_average()
+    result["load_average_end"] = load_average()
     result["duration_seconds"] = time.time() - started
     m = result["machine"]
     result["title"] = (f"structd bench soak: {args.streams} streams, {args.duration_seconds:g} s, simulated "

@@ -15,12 +15,6 @@ def machine() -> dict:
     return e2e_machine(1)  # the inference server runs the simulated runner with one torch thread
 
 
-def load_average() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []  # the machine's: no /proc (not Linux)
-
 
 def with_rates(samples: list[dict]) -> list[dict]:
     """The samples with tokens/s and completed requests/s over the interval before each."""

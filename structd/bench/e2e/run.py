@@ -37,7 +37,7 @@ from pathlib import Path
 from structd.bench.e2e import report
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
-from structd.bench.harness import ChildService, ServiceThread, arguments, command_line
+from structd.bench.harness import ChildService, ServiceThread, load_average, result_header
 
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
@@ -375,7 +375,6 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
 
 
 def run_bench(args) -> int:
-    from structd.bench.grammar.report import load_average
     from inference_svc.config import InferenceServiceConfig
 
     apply_quick(args)
@@ -388,11 +387,7 @@ def run_bench(args) -> int:
     threads = InferenceServiceConfig(num_threads=args.torch_threads).torch_threads()
     args.torch_threads = threads
     result: dict = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "machine": report.machine(threads),
-        "load_average_start": load_average(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        **result_header(args, report.machine(threads), started),
         "workload": {"schemas": {name: s for name, s in SCHEMAS}, "max_tokens": args.max_tokens,
                      "sampling": "greedy", "unconstrained": "same prompts, ignore_eos"},
     }

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from structd.bench.grammar.walks import (CompileRecord, _compile_once, load_schemas, progress,
                                          server_default_compile_workers, warm_up_compile_workers)
-from structd.bench.harness import arguments, command_line
+from structd.bench.harness import load_average, result_header
 
 
 def add_arguments(parser) -> None:
@@ -144,13 +144,7 @@ def run_burst(args) -> int:
     from shared.tokenizer import default_description
 
     desc = default_description()
-    result: dict = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "machine": report.machine(),
-        "load_average_start": report.load_average(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-    }
+    result: dict = result_header(args, report.machine(), started)
 
     workers = args.compile_workers or server_default_compile_workers()
     passes = {}
@@ -182,7 +176,7 @@ def run_burst(args) -> int:
         passes[name] = p
         progress(f"{name} pass: {_statuses(records)} in {p['wall_seconds']:.1f} s")
     result.update(burst_aggregates(passes, args.burst_fast_seconds))
-    result["load_average_end"] = report.load_average()
+    result["load_average_end"] = load_average()
     result["duration_seconds"] = time.time() - started
     result["title"] = (f"structd bench grammar --compile-burst: {len(schemas)} schemas, {args.burst_concurrency} "
                        f"in flight, {workers} compile worker(s), {result['machine']['cpu_model']} x"

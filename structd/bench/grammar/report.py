@@ -69,12 +69,6 @@ def machine() -> dict:
     return info
 
 
-def load_average() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
-
 
 def walk_aggregates(run, local=None) -> dict:
     """Everything about one batch size, from the WalkRun (and the LocalRows, if any)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from structd.bench.grammar.burst import add_arguments as add_burst_arguments
 from structd.bench.grammar.burst import run_burst
 from structd.bench.grammar.walks import load_schemas, progress, server_default_compile_workers
-from structd.bench.harness import arguments, command_line
+from structd.bench.harness import load_average, result_header
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_SCHEMAS = REPO.parent / "shared" / "data" / "jsonschemabench-sample.jsonl"
@@ -83,13 +83,7 @@ def run_bench(args) -> int:
     started = time.time()
     from structd.bench.grammar import report
 
-    result: dict = {
-        "command": command_line(),
-        "arguments": arguments(args),
-        "machine": report.machine(),
-        "load_average_start": report.load_average(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-    }
+    result: dict = result_header(args, report.machine(), started)
     schemas = load_schemas(args.schemas, args.limit)
     progress(f"{len(schemas)} schemas from {args.schemas}")
     progress("loading the default tokenizer")
@@ -148,7 +142,7 @@ def run_bench(args) -> int:
     result["compile_records"] = [r.summary() for r in records]
     result["walks"] = [report.walk_aggregates(r, local_rows.get(r.batch)) for r in runs]
     result["targets"] = _targets(result)
-    result["load_average_end"] = report.load_average()
+    result["load_average_end"] = load_average()
     result["duration_seconds"] = time.time() - started
     result["title"] = (f"structd bench grammar: {len(schemas)} schemas, {result['machine']['cpu_model']} x"
                        f"{result['machine']['logical_cpus']}, xgrammar {result['machine']['versions']['xgrammar']}")
