@@ -1,7 +1,7 @@
 """The engine's view of the grammar tier: handshake, compiles, and one step stream per replica.
 
-Each request is pinned to one replica (the one with the fewest open sessions
-when its grammar is compiled). A step is sent as one `StepRequest` per replica
+Each request is pinned to one replica: the one with the fewest sessions (open,
+or compiling there) when its compile starts, ties to the replica listed first. A step is sent as one `StepRequest` per replica
 that has rows in it, written *before* the forward pass is launched; the
 responses are read after the forward, their masks decoded straight into the
 engine's bitmask rows, and every row comes back to the engine as a small
@@ -352,9 +352,11 @@ class GrammarTier:
         return next(self._session_ids)
 
     def _pick(self, exclude: set[int]) -> _Replica | None:
+        """The live replica with the fewest sessions (compiles in flight included); ties go to the one
+        added first, so placement is deterministic."""
         live = [r for r in self._replicas.values() if not r.retired and r.id not in exclude]
         candidates = [r for r in live if r.registered] or live
-        return min(candidates, key=lambda r: r.sessions) if candidates else None
+        return min(candidates, key=lambda r: (r.sessions, r.id)) if candidates else None
 
     async def compile(self, session: GrammarSession) -> None:
         """Compiles the session's constraint on the least-loaded registered replica and places the session
@@ -366,12 +368,23 @@ class GrammarTier:
             if r is None:
                 raise errors.UnavailableError("no grammar replica is available; retry later")
             tried.add(r.id)
+            # Counted from the pick, not the answer: requests that arrive together compile concurrently,
+            # and each must see the others' picks or they would all land on the same replica.
+            r.sessions += 1
+            placed = False
             try:
                 if not r.registered:
                     await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
                     r.registered = True
                 resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(session.spec),
                                               self.compile_timeout_seconds)
+                for w in resp.warnings:
+                    log.info("grammar %s: %s", resp.grammar_id[:12], w)
+                session.warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message)
+                                         for w in resp.warning_details)
+                if session.spec.strict_schema and session.warnings:
+                    raise strict_refusal(session.warnings)
+                placed = True
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _RETRY_ELSEWHERE:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
@@ -382,13 +395,11 @@ class GrammarTier:
                 log.warning("grammar replica %s: compile failed with %s; trying another replica",
                             r.client.target, e.code().name)
                 continue
+            finally:
+                if not placed:  # refused, failed or cancelled: the reservation goes back
+                    r.sessions -= 1
+                    self._forget_if_unused(r)
             break
-        for w in resp.warnings:
-            log.info("grammar %s: %s", resp.grammar_id[:12], w)
-        session.warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
-        if session.spec.strict_schema and session.warnings:
-            raise strict_refusal(session.warnings)
-        r.sessions += 1
         session.placed_on(r.id, resp.grammar_id, self.new_session_id())
 
     async def check_output(self, replica: int, spec: Constraint, grammar_id: str, token_ids: list[int],
