@@ -73,6 +73,28 @@ def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
     assert "TPOT constrained/unconstrained" in out
 
 
+def test_grammar_replica_sweep_runs_each_count_and_spreads_the_steps(tmp_path, capsys):
+    """--grammar-replicas 1,2: every runner once per count, keyed apart; with two replicas both answer steps."""
+    assert bench_e2e.run_bench(_args(tmp_path, "--grammar-replicas", "1,2", "--concurrency", "4",
+                                     "--requests", "4", "--no-mixed", "--no-jump-forward-phase")) == 0
+    result = json.loads((tmp_path / "e2e-bench.json").read_text())
+    assert [(p["runner"], p["grammar_replicas"], p["kind"]) for p in result["phases"]] == [
+        ("sim2", 1, "constrained"), ("sim2", 1, "unconstrained"),
+        ("sim2-g2", 2, "constrained"), ("sim2-g2", 2, "unconstrained")]
+    one, two = result["phases"][0], result["phases"][2]
+    assert len(one["grammar_steps_per_replica"]) == 1 and one["grammar_steps_per_replica"][0] > 0
+    # Four requests compiled together over two replicas: two sessions each, so both replicas answer steps.
+    assert len(two["grammar_steps_per_replica"]) == 2 and min(two["grammar_steps_per_replica"]) > 0
+    assert sum(two["grammar_steps_per_replica"]) == two["grammar_server"]["steps"]
+    sweep = result["grammar_replica_sweep"]
+    assert [(w["runner"], w["concurrency"], w["grammar_replicas"]) for w in sweep] == [("sim2", 4, 1), ("sim2", 4, 2)]
+    assert all(w["tpot_ratio_mean"] > 0 and 0 <= w["mask_wait_share"] < 1 for w in sweep)
+    png = tmp_path / "e2e-grammar-replicas.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "| sim2 | 4 | 2 |" in out and "| simulated 2 ms, 2 grammar replicas | 4 | constrained |" in out
+
+
 def test_histogram_quantile_follows_prometheus():
     h = {"buckets": [(0.001, 2.0), (0.005, 6.0), (0.01, 10.0), (float("inf"), 10.0)], "sum": 0.04, "count": 10.0}
     assert bench_e2e_report.histogram_quantile(h, 0.5) == pytest.approx(0.004)

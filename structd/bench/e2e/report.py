@@ -205,6 +205,8 @@ def phase_line(p: dict) -> str:
         line += (f"; mask wait {_fmt_pct(s.get('mask_wait_share'))} of forward, grammar step (server) "
                  f"{_fmt_ms(_g(p, 'grammar_server', 'step_mean_seconds'))} ms, forward {_fmt_ms(s.get('forward_mean_seconds'))} ms,"
                  f" overhead/step {_fmt_ms(s.get('overhead_per_step_seconds'))} ms, forced {_fmt_pct(p['forced_share'])}")
+    if len(p.get("grammar_steps_per_replica", [])) > 1:
+        line += f"; grammar steps per replica {p['grammar_steps_per_replica']}"
     cpu = p.get("cpu", {}).get("seconds")
     if cpu and p["wall_seconds"] > 0:
         line += "; CPU cores busy: " + ", ".join(f"{k} {v / p['wall_seconds']:.2f}" for k, v in cpu.items()
@@ -268,6 +270,38 @@ def comparisons(phases: list[dict], peers: dict) -> list[dict]:
                                                                         pu["throughput_tokens_per_second"])
         out.append(row)
     return out
+
+
+def replica_sweep(phases: list[dict], comps: list[dict]) -> list[dict]:
+    """Per runner and N, one row per grammar replica count: what the constraint costs with that many replicas
+    (mask-wait share, TPOT ratio, overhead per step) and the grammar tier's CPU (cores busy, per replica)."""
+    by_runner = {(c["runner"], c["concurrency"]): c for c in comps}
+    rows = []
+    for c in phases:
+        if c["kind"] != "constrained" or not c["jump_forward"] or "server" not in c:
+            continue
+        n, runner = c["concurrency"], c["runner"]
+        k = c.get("grammar_replicas", 1)
+        u = _find(phases, runner, "unconstrained", n)
+        comp = by_runner.get((runner, n), {})
+        grammar_seconds = _g(c, "cpu", "seconds", "grammar")
+        cores = grammar_seconds / c["wall_seconds"] if grammar_seconds is not None and c["wall_seconds"] > 0 else None
+        rows.append({
+            "runner": runner.split("-g")[0], "runner_label": c["runner_label"], "concurrency": n, "grammar_replicas": k,
+            "mask_wait_share": _g(c, "server", "mask_wait_share"),
+            "mask_wait_p50_seconds": _g(c, "server", "mask_wait_p50_seconds"),
+            "mask_wait_p99_seconds": _g(c, "server", "mask_wait_p99_seconds"),
+            "tpot_ratio_mean": comp.get("tpot_ratio_mean"), "tpot_ratio_p50": comp.get("tpot_ratio_p50"),
+            "overhead_per_step_constrained_seconds": _g(c, "server", "overhead_per_step_seconds"),
+            "overhead_per_step_unconstrained_seconds": _g(u, "server", "overhead_per_step_seconds"),
+            "forward_mean_constrained_seconds": _g(c, "server", "forward_mean_seconds"),
+            "forward_mean_unconstrained_seconds": _g(u, "server", "forward_mean_seconds"),
+            "grammar_rpc_p50_seconds": _g(c, "server", "grammar_rpc_p50_seconds"),
+            "grammar_step_mean_seconds": _g(c, "grammar_server", "step_mean_seconds"),
+            "constrained_throughput": c["throughput_tokens_per_second"],
+            "grammar_cores_busy": cores, "grammar_cores_busy_per_replica": cores / k if cores is not None else None,
+        })
+    return sorted(rows, key=lambda r: (r["runner"], r["concurrency"], r["grammar_replicas"]))
 
 
 def identical_outputs(a: dict | None, b: dict | None) -> dict | None:
@@ -367,6 +401,20 @@ def markdown(result: dict) -> str:
                      f" | {r(c['throughput_ratio'])} | {r(c.get('no_jump_forward_tpot_ratio_mean'))} | "
                      f"{r(c.get('constrained_throughput_vs_transformers'))} | "
                      f"{r(c.get('constrained_throughput_vs_vllm'))} |")
+    sweep = result.get("grammar_replica_sweep", [])
+    if len({row["grammar_replicas"] for row in sweep}) > 1:
+        lines += ["", ("| runner | N | grammar replicas | mask-wait share | mask wait p99 ms | TPOT c/u (mean) | "
+                       "overhead/step c ms | overhead/step u ms | grammar RPC p50 ms | grammar step ms | "
+                       "grammar cores busy | per replica | constrained tok/s |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for w in sweep:
+            lines.append(
+                f"| {w['runner']} | {w['concurrency']} | {w['grammar_replicas']} | {_fmt_pct(w['mask_wait_share'])} | "
+                f"{_fmt_ms(w['mask_wait_p99_seconds'])} | {r(w['tpot_ratio_mean'])} | "
+                f"{_fmt_ms(w['overhead_per_step_constrained_seconds'])} | "
+                f"{_fmt_ms(w['overhead_per_step_unconstrained_seconds'])} | {_fmt_ms(w['grammar_rpc_p50_seconds'])} | "
+                f"{_fmt_ms(w['grammar_step_mean_seconds'])} | {r(w['grammar_cores_busy'])} | "
+                f"{r(w['grammar_cores_busy_per_replica'])} | {w['constrained_throughput'] or 0:.0f} |")
     vllm = result["peers"].get("vllm", {})
     if vllm.get("status") != "ok":
         ref = vllm.get("reference_tpot_ratio_from_issue")
@@ -469,6 +517,38 @@ def plot(result: dict, path: Path) -> None:
     _legend(ax)
 
     fig.suptitle(result.get("title", "structd bench e2e"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_replica_sweep(result: dict, path: Path) -> None:
+    """Mask-wait share and TPOT ratio against the number of grammar replicas, one line per runner and N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = result["grammar_replica_sweep"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    lines = sorted({(w["runner"], w["concurrency"]) for w in sweep})
+    panels = (("mask_wait_share", 100.0, "mask wait, % of forward time", 3.0),
+              ("tpot_ratio_mean", 1.0, "mean TPOT constrained / unconstrained", 1.05),
+              ("overhead_per_step_constrained_seconds", MS, "overhead per step, constrained (ms)", None))
+    for ax, (key, scale, ylabel, target) in zip(axes, panels):
+        for i, (runner, n) in enumerate(lines):
+            pts = [(w["grammar_replicas"], w[key] * scale) for w in sweep
+                   if (w["runner"], w["concurrency"]) == (runner, n) and w[key] is not None]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), "o-", color=f"C{i}", label=f"{runner}, N={n}")
+        if target is not None:
+            ax.axhline(target, color="grey", lw=0.8, ls=":")
+        counts = sorted({w["grammar_replicas"] for w in sweep})
+        ax.set_xticks(counts, [str(k) for k in counts])
+        ax.set(xlabel="grammar replicas", ylabel=ylabel)
+        ax.set_ylim(bottom=0)
+        _legend(ax)
+    fig.suptitle(f"Grammar replicas: {result.get('title', 'structd bench e2e')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,8 +3,9 @@
 For each runner (the embedded model, and the simulated runner at fixed step
 times: random logits after 2, 5 or 10 ms, so the grammar path is measured at
 GPU-like step times on a CPU), it starts an inference server wired to one
-grammar server (child processes by default, so the benchmark client and the
-services never share a GIL; `--in-process` runs them on threads instead), and
+grammar server, or to each count of `--grammar-replicas` in turn (child
+processes by default, so the benchmark client and the services never share a
+GIL; `--in-process` runs them on threads instead), and
 at each concurrency N sends a closed loop of requests with N in flight through
 the asyncio client: constrained (bounded JSON schemas,
 structd/bench/e2e/workload.py) and unconstrained (same prompts,
@@ -15,6 +16,9 @@ finish reason. Per phase: throughput (tokens / wall) and, from the servers'
 own Prometheus metrics before and after, the mask-wait share (Σ mask wait /
 Σ forward time), the grammar step RPC p50, jump-forward's share of the
 tokens, steps, mean batch, and what a step costs beyond forward + mask wait.
+With several replica counts, a table (and e2e-grammar-replicas.png) sets the
+mask-wait share, TPOT ratio, overhead per step and the grammar tier's CPU
+side by side per count.
 
 Then the peers on the same model, prompts and schemas (structd/bench/e2e/peers.py):
 transformers `generate()` with xgrammar's logits processor, and vLLM's CPU
@@ -35,9 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from structd.bench.e2e import report
+from structd.bench.e2e.grammar_replicas import GrammarReplicas, InProcessService, merged, steps_each
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
-from structd.bench.harness import ChildService, ServiceThread, load_average, result_header
+from structd.bench.harness import ChildService, load_average, result_header
 
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
@@ -62,12 +67,19 @@ def _name_list(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    name: str  # "model" or "sim<ms>"
+    name: str  # "model" or "sim<ms>"; with more than one grammar replica, "<name>-g<replicas>"
     simulate_step_ms: float  # 0: the embedded model
+    grammar_replicas: int = 1
 
     @property
     def label(self) -> str:
-        return "embedded model" if not self.simulate_step_ms else f"simulated {self.simulate_step_ms:g} ms"
+        base = "embedded model" if not self.simulate_step_ms else f"simulated {self.simulate_step_ms:g} ms"
+        return base if self.grammar_replicas == 1 else f"{base}, {self.grammar_replicas} grammar replicas"
+
+    def with_replicas(self, count: int) -> "RunnerSpec":
+        """The same runner behind `count` grammar replicas (its phases keyed apart from the others')."""
+        base = self.name.split("-g")[0]
+        return RunnerSpec(base if count == 1 else f"{base}-g{count}", self.simulate_step_ms, count)
 
 
 def parse_runner(name: str) -> RunnerSpec:
@@ -84,6 +96,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--runners", type=_name_list, default=["model", "sim2", "sim5", "sim10"],
                         help="model (the embedded model) and/or sim<ms> (simulated runner), comma-separated")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
+    parser.add_argument("--grammar-replicas", type=_int_list, default=[1],
+                        help="grammar replicas behind the inference server, comma-separated to sweep (e.g. 1,2): "
+                             "every runner runs once per count, its sessions spread over the replicas")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
     parser.add_argument("--requests", type=int, default=24,
                         help="at least this many requests per phase (see --waves)")
@@ -122,48 +137,25 @@ def apply_quick(args) -> None:
 # --- the services --------------------------------------------------------------------------
 
 
-class InProcessService(ServiceThread):
-    """A server on a thread of this process (structd.bench.harness), with the ChildService interface."""
-
-    def cpu_seconds(self) -> float | None:
-        return None  # shares this process with the client
-
-    def metrics_text(self) -> str:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.server.metrics.registry).decode("utf-8")
-
-
-def start_grammar(args, out: Path):
-    if args.in_process:
-        from grammar_svc.config import GrammarServiceConfig
-        from grammar_svc.server import GrammarServer
-
-        server = GrammarServer(GrammarServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
-                                                    max_sessions=65536))
-        return InProcessService(server, "bench-grammar")
-    return ChildService(["grammar", "--max-sessions", "65536"], out / "grammar-server.log")
-
-
-def inference_config(args, runner: RunnerSpec, grammar_target: str, max_n: int):
+def inference_config(args, runner: RunnerSpec, grammar_targets: tuple[str, ...], max_n: int):
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
     return InferenceServiceConfig(
-        host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_target,), num_threads=args.torch_threads,
+        host="127.0.0.1", port=0, metrics_port=0, grammar_targets=grammar_targets, num_threads=args.torch_threads,
         dtype=args.dtype, simulate_step_ms=runner.simulate_step_ms, grace_seconds=1.0,
         engine=EngineConfig(max_num_seqs=max(64, max_n), max_waiting=max(1024, 4 * max_n),
                             default_max_tokens=args.max_tokens)).validate()
 
 
-def start_inference(args, runner: RunnerSpec, grammar_target: str, max_n: int, out: Path):
-    cfg = inference_config(args, runner, grammar_target, max_n)
+def start_inference(args, runner: RunnerSpec, grammar_targets: tuple[str, ...], max_n: int, out: Path):
+    cfg = inference_config(args, runner, grammar_targets, max_n)
     if args.in_process:
         from inference_svc.server import InferenceServer
 
         server = InferenceServer(cfg)
         return InProcessService(server, f"bench-inference-{runner.name}", grammar_connect_timeout=60.0)
     e = cfg.engine
-    flags = ["inference", "--grammar-target", grammar_target, "--num-threads", str(cfg.num_threads),
+    flags = ["inference", "--grammar-target", ",".join(grammar_targets), "--num-threads", str(cfg.num_threads),
              "--dtype", cfg.dtype, "--max-num-seqs", str(e.max_num_seqs), "--max-waiting", str(e.max_waiting),
              "--default-max-tokens", str(e.default_max_tokens)]
     if runner.simulate_step_ms:
@@ -272,13 +264,12 @@ def phase_requests(args, kind: str, n: int, constrained_lengths: list[int] | Non
     return [(w, args.max_tokens) for w in items]
 
 
-def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
-
+def run_runner(args, runner: RunnerSpec, grammar: GrammarReplicas, out: Path) -> list[dict]:
     max_n = max(args.concurrency)
     progress(f"[{runner.name}] starting the inference server ({runner.label}, "
              f"{'in-process' if args.in_process else 'child process'})")
     t = time.perf_counter()
-    server = start_inference(args, runner, grammar.target, max_n, out)
+    server = start_inference(args, runner, grammar.targets, max_n, out)
     phases = []
     try:
         progress(f"[{runner.name}] SERVING at {server.target} after {time.perf_counter() - t:.1f} s; "
@@ -294,13 +285,17 @@ def run_runner(args, runner: RunnerSpec, grammar, out: Path) -> list[dict]:
             progress(f"{label}: {len(items)} requests, max_tokens "
                      + (f"{args.max_tokens}" if len({m for _, m in items}) == 1
                         else f"matched to the constrained ones ({sum(m for _, m in items)} in all)"))
-            before = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
+            before_grammar = grammar.metrics()
+            before = (report.parse_metrics(server.metrics_text()), merged(before_grammar))
             cpu_before = (server.cpu_seconds(), grammar.cpu_seconds(), time.process_time())
             records, wall = asyncio.run(run_phase(server.target, items, n, jf, label))
             cpu_after = (server.cpu_seconds(), grammar.cpu_seconds(), time.process_time())
-            after = (report.parse_metrics(server.metrics_text()), report.parse_metrics(grammar.metrics_text()))
+            after_grammar = grammar.metrics()
+            after = (report.parse_metrics(server.metrics_text()), merged(after_grammar))
             p = report.phase_aggregates(records, wall, before, after)
             p.update(runner=runner.name, runner_label=runner.label, kind=kind, concurrency=n, jump_forward=jf,
+                     grammar_replicas=runner.grammar_replicas,
+                     grammar_steps_per_replica=steps_each(before_grammar, after_grammar),
                      max_tokens=args.max_tokens, records=records,
                      cpu=report.cpu_usage(cpu_before, cpu_after, wall, in_process=args.in_process))
             if kind == "constrained" and jf:
@@ -381,6 +376,8 @@ def run_bench(args) -> int:
     runners = [parse_runner(r) for r in args.runners]
     if not runners or not args.concurrency or min(args.concurrency) < 1 or args.max_tokens < 2:
         raise SystemExit("need at least one runner, concurrency levels >= 1 and --max-tokens >= 2")
+    if not args.grammar_replicas or min(args.grammar_replicas) < 1:
+        raise SystemExit("--grammar-replicas: counts >= 1, e.g. 1,2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -397,17 +394,19 @@ def run_bench(args) -> int:
 
         model_path = ensure_embedded_model()
         result["model_path"] = str(model_path)
-    progress(f"runners {[r.name for r in runners]}, N {args.concurrency}, max_tokens {args.max_tokens}; "
-             f"starting the grammar server ({'in-process' if args.in_process else 'child process'})")
-    grammar = start_grammar(args, out)
+    progress(f"runners {[r.name for r in runners]}, N {args.concurrency}, max_tokens {args.max_tokens}, "
+             f"grammar replicas {args.grammar_replicas}")
     phases: list[dict] = []
-    try:
-        progress(f"grammar server at {grammar.target}")
-        for runner in runners:
-            phases += run_runner(args, runner, grammar, out)
-    finally:
-        progress("stopping the grammar server")
-        grammar.stop()
+    for count in args.grammar_replicas:
+        progress(f"starting {count} grammar server(s) ({'in-process' if args.in_process else 'child process'})")
+        grammar = GrammarReplicas(count, args.in_process, out)
+        try:
+            progress(f"grammar server(s) at {', '.join(grammar.targets)}")
+            for runner in runners:
+                phases += run_runner(args, runner.with_replicas(count), grammar, out)
+        finally:
+            progress("stopping the grammar server(s)")
+            grammar.stop()
     result["phases"] = phases
     peers: dict = {}
     if args.no_peers:
@@ -421,6 +420,7 @@ def run_bench(args) -> int:
                          "reference_tpot_ratio_from_issue": {str(k): v for k, v in VLLM_REFERENCE_TPOT_RATIO.items()}}
     result["peers"] = peers
     result["comparisons"] = report.comparisons(phases, peers)
+    result["grammar_replica_sweep"] = report.replica_sweep(phases, result["comparisons"])
     result["targets"] = report.targets(result, target_runner=TARGET_RUNNER, top_n=32,
                                        mask_wait_share=TARGET_MASK_WAIT_SHARE, tpot_ratio=TARGET_TPOT_RATIO,
                                        throughput_vs_transformers=TARGET_THROUGHPUT_VS_TRANSFORMERS)
@@ -431,6 +431,10 @@ def run_bench(args) -> int:
                        f"max_tokens {args.max_tokens}")
     (out / "e2e-bench.json").write_text(json.dumps(result, indent=1, default=str))
     report.plot(result, out / "e2e-bench.png")
+    written = [out / "e2e-bench.json", out / "e2e-bench.png"]
+    if len(args.grammar_replicas) > 1:
+        report.plot_replica_sweep(result, out / "e2e-grammar-replicas.png")
+        written.append(out / "e2e-grammar-replicas.png")
     print(report.markdown(result))
-    progress(f"wrote {out / 'e2e-bench.json'} and {out / 'e2e-bench.png'} ({result['duration_seconds']:.0f} s in all)")
+    progress(f"wrote {', '.join(map(str, written))} ({result['duration_seconds']:.0f} s in all)")
     return 0
