@@ -7,7 +7,10 @@ xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
    an object's `properties`) still constrain the document;
 2. bounded strings become JSON strings (grammar_svc/json_strings.py): no raw
    control characters, escape sequences counted as one character;
-3. bounded strings are put in tail form (grammar_svc/bounded_strings.py), the
+3. `pattern` and `format` strings xgrammar prints as plain EBNF are written as
+   JSON strings too (grammar_svc/regex_strings.py: `"`, `\\` and control
+   characters escaped);
+4. bounded strings are put in tail form (grammar_svc/bounded_strings.py), the
    same language with masks that are cached lookups.
 
 `GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
@@ -20,10 +23,11 @@ import json
 
 from grammar_svc.bounded_strings import rewrite_bounded_strings
 from grammar_svc.json_strings import fix_string_characters
+from grammar_svc.regex_strings import escape_regex_strings
 from grammar_svc.schema_normalise import normalise_schema
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-3"
+GRAMMAR_REVISION = "json-grammar-4"
 
 
 def normalised_schema_text(schema_text: str) -> str:
@@ -43,7 +47,7 @@ def json_schema_ebnf(schema_text: str, json_options, *, xgrammar_only: bool = Fa
     if xgrammar_only:
         return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
     ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text), **json_options.xgrammar_kwargs()))
-    return fix_string_characters(ebnf)[0]
+    return escape_regex_strings(fix_string_characters(ebnf)[0])[0]
 
 
 def compile_json_schema(compiler, schema_text: str, json_options, *, rewrite: bool = True):

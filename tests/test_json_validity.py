@@ -109,6 +109,41 @@ def test_strings_never_hold_an_encoded_surrogate(compiler, hf_tokenizer, xgr_tok
     assert allowed == {b"\xa0": False, b"\x80": True}
 
 
+# ----------------------------------------------------------------------------- pattern and format strings
+
+# A literal backslash, then the letter d (a schema author's over-escaped `\d`, as in Github_medium/o36798).
+BACKSLASH_D = {"type": "string", "pattern": "^\\\\d+/\\\\d+$"}
+BACKSLASH_ANY = {"type": "string", "pattern": "^\\\\.$"}  # a literal backslash, then any one character
+QUOTE_INSIDE = {"type": "string", "pattern": '^a"b$'}
+JSON_POINTER = {"type": "string", "format": "json-pointer"}
+EMAIL = {"type": "string", "format": "email"}
+
+REGEX_STRING_CASES = [
+    # (schema, the string as it appears in the document, admitted)
+    pytest.param(BACKSLASH_D, r'"\\dd/\\d"', True, id="pattern-backslash-escaped"),
+    pytest.param(BACKSLASH_D, r'"\dd/\d"', False, id="pattern-backslash-raw"),
+    pytest.param(BACKSLASH_ANY, r'"\\x"', True, id="dot-plain"),
+    pytest.param(BACKSLASH_ANY, r'"\\""', False, id="dot-raw-quote"),
+    pytest.param(BACKSLASH_ANY, r'"\\\""', True, id="dot-escaped-quote"),
+    pytest.param(BACKSLASH_ANY, '"\\\\\t"', False, id="dot-raw-tab"),
+    pytest.param(BACKSLASH_ANY, r'"\\\t"', True, id="dot-escaped-tab"),
+    pytest.param(BACKSLASH_ANY, r'"\\\u0001"', True, id="dot-unicode-escape"),
+    pytest.param(QUOTE_INSIDE, '"a"b"', False, id="pattern-quote-raw"),
+    pytest.param(QUOTE_INSIDE, r'"a\"b"', True, id="pattern-quote-escaped"),
+    pytest.param(JSON_POINTER, r'"/a\"b"', True, id="json-pointer-escaped-quote"),
+    pytest.param(JSON_POINTER, '"/a"b"', False, id="json-pointer-raw-quote"),
+    pytest.param(JSON_POINTER, r'"/a\\b"', True, id="json-pointer-escaped-backslash"),
+    pytest.param(EMAIL, r'"\"a b\"@x.com"', True, id="email-quoted-local-part"),
+]
+
+
+@pytest.mark.parametrize("schema, value, admitted", REGEX_STRING_CASES)
+def test_pattern_and_format_strings_are_json_strings(compiler, hf_tokenizer, schema, value, admitted):
+    assert admits(structd_grammar(compiler, schema), hf_tokenizer, value) is admitted
+    if admitted:
+        jsonschema.validate(json.loads(value), schema)
+
+
 # ----------------------------------------------------------------------------- declared types kept
 
 OBJECT_WITH_ANY_OF = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
@@ -210,6 +245,7 @@ REGRESSIONS = [
     pytest.param("JsonSchemaStore", "dart-test.json", id="ref-root-to-all-of"),
     pytest.param("Github_trivial", "o10018.json", id="pattern-with-max-length"),
     pytest.param("Github_trivial", "o23153.json", id="not-type"),
+    pytest.param("Github_medium", "o36798.json", id="pattern-with-a-literal-backslash"),
 ]
 
 
