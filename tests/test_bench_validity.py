@@ -32,6 +32,7 @@ def test_small_run_through_the_cli(tmp_path, capsys):
     result = json.loads((tmp_path / "validity-bench.json").read_text())
     assert result["command"] and result["machine"]
     assert [s["status"] for s in result["schemas"]] == ["ok", "ok", "ok"]
+    assert result["summary"]["engines"] == ["xgrammar", "structd", "llguidance"]
     ours = result["summary"]["structd"]
     assert set(ours["by_category"]) == {"jsonschemabench/Tiny", "maskbench/Handwritten"}
     for share in ours["by_source"].values():

@@ -1,10 +1,11 @@
 """`structd bench validity`: do the documents a JSON-Schema grammar admits validate against the schema?
 
 For every schema of the JSONSchemaBench and MaskBench samples (../shared/data)
-and for each grammar, xgrammar 0.2.8 as-is and structd's
-(grammar_svc/json_grammar.py: normalised schema, JSON strings, tail form),
-seeded random walks through the compiled grammar's own token masks (a real
-GrammarMatcher on the real tokenizer) write documents; every complete one is
+and for each grammar, xgrammar 0.2.8 as-is, structd's
+(grammar_svc/json_grammar.py: normalised schema, JSON strings, tail form) and,
+as a reference, llguidance's (--reference), seeded random walks through the
+compiled grammar's own token masks (a real matcher on the real tokenizer)
+write documents; every complete one is
 validated with `jsonschema` under the schema's own draft. A failure's cause is
 the keyword of jsonschema's best-matching error (`type`, `required`,
 `maxLength`, ...), or `not-json` with the parser's complaint.
@@ -34,6 +35,8 @@ from pathlib import Path
 from structd.bench.harness import result_header
 
 ENGINES = ("xgrammar", "structd")
+# The reference the issue names: another library's grammar for the same schema, on the same tokenizer.
+REFERENCE = "llguidance"
 CLOSING = frozenset('"}]')
 
 
@@ -59,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-seconds", type=float, default=0.0, help="stop starting schemas after this (0: none)")
     p.add_argument("--workers", type=int, default=2, help="schemas in parallel (one process each)")
     p.add_argument("--seed", type=int, default=2024)
+    p.add_argument("--reference", choices=[REFERENCE, "none"], default=REFERENCE,
+                   help="also walk llguidance's grammar for each schema, as a reference (bench extra)")
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -97,19 +102,60 @@ def validation_cause(text: str, schema) -> str | None:
     return f"{error.validator}{' (root)' if not error.absolute_path and error.validator == 'type' else ''}"
 
 
+class _XgrammarWalker:
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self):
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        return self.bitmask[0].numpy()
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class _LlguidanceWalker:
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.numpy as lnp
+
+        self.matcher = matcher
+        self.lnp = lnp
+        self.bitmask = lnp.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self):
+        self.lnp.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        return self.bitmask[0]
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.consume_token(token)
+
+    def terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+# llguidance's tokenizer, built once in the parent (1-2 s) and inherited by every forked child.
+_LLG: dict = {}
+
+
 def walk(compiled, vocab: list[bytes], stop_ids: set[int], closing, rng: random.Random,
          max_tokens: int) -> bytes | None:
-    """One random walk's document (None: not finished within max_tokens)."""
-    import xgrammar as xgr
+    """One random walk's document (None: not finished within max_tokens).
 
+    `compiled` is an xgrammar CompiledGrammar, or an llguidance LLMatcher (used up by the walk).
+    """
     from shared.codec import allowed_ids
 
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, len(vocab))
+    walker = (_LlguidanceWalker(compiled, len(vocab)) if type(compiled).__name__ == "LLMatcher"
+              else _XgrammarWalker(compiled, len(vocab)))
     out = bytearray()
     for step in range(max_tokens + 1):
-        matcher.fill_next_token_bitmask(bitmask)
-        ids = allowed_ids(bitmask[0].numpy(), len(vocab))
+        ids = allowed_ids(walker.mask(), len(vocab))
         if len(ids) == 0:
             return None
         # Closing tokens grow likelier along the walk, so that most walks finish.
@@ -120,10 +166,10 @@ def walk(compiled, vocab: list[bytes], stop_ids: set[int], closing, rng: random.
         token = int(ids[rng.randrange(len(ids))])
         if token in stop_ids:
             return bytes(out)
-        if not matcher.accept_token(token):
+        if not walker.accept(token):
             raise RuntimeError(f"the matcher refused token {token}, which its own mask allowed")
         out += vocab[token]
-        if matcher.is_terminated():
+        if walker.terminated():
             return bytes(out)
     return None
 
@@ -139,20 +185,24 @@ def run_schema(row: dict, info, vocab, closing, args, seed: int) -> dict:
     text = json.dumps(row["schema"])
     opts = JsonOptions()
     out = {}
-    for engine in ENGINES:
+    for engine in engines(args):
         res = {"status": "ok", "documents": 0, "valid": 0, "unfinished": 0, "causes": {}, "examples": []}
         out[engine] = res
         try:
             if engine == "xgrammar":
                 compiled = compiler.compile_json_schema(text, **opts.xgrammar_kwargs())
+            elif engine == REFERENCE:
+                compiled = _llguidance_matcher(text)
             else:
                 compiled = compile_json_schema(compiler, text, opts)
-        except Exception as e:  # noqa: BLE001 - the schema's failure (xgrammar refuses it): recorded
+        except Exception as e:  # noqa: BLE001 - the schema's failure (the library refuses it): recorded
             res["status"], res["error"] = "compile-error", str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             continue
         rng = random.Random(seed)
         stop_ids = set(info.stop_token_ids)
         for _ in range(args.walks):
+            if engine == REFERENCE:
+                compiled.reset()
             doc = walk(compiled, vocab, stop_ids, closing, rng, args.max_tokens)
             if doc is None:
                 res["unfinished"] += 1
@@ -172,6 +222,21 @@ def run_schema(row: dict, info, vocab, closing, args, seed: int) -> dict:
                 if len(res["examples"]) < 2:
                     res["examples"].append({"cause": cause, "document": doc.decode("utf-8", "replace")[:300]})
     return out
+
+
+def _llguidance_matcher(schema_text: str):
+    """llguidance's matcher for a schema (compact separators, as structd's default); raises where it refuses."""
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults={"whitespace_flexible": False})
+    matcher = llguidance.LLMatcher(_LLG["tokenizer"], grammar)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
+
+
+def engines(args) -> list[str]:
+    return list(ENGINES) + ([REFERENCE] if args.reference == REFERENCE else [])
 
 
 def _child(conn, row, info, vocab, closing, args, seed) -> None:
@@ -198,6 +263,12 @@ def run_all(args, rows: list[dict]) -> list[dict]:
 
     info = xgr.TokenizerInfo.deserialize_json(default_description().info_json)
     vocab = [bytes(t) for t in info.decoded_vocab]
+    if args.reference == REFERENCE:
+        import llguidance.hf
+
+        from shared.tokenizer import load_hf_tokenizer
+
+        _LLG["tokenizer"] = llguidance.hf.from_tokenizer(load_hf_tokenizer(), n_vocab=len(vocab))
     closing = np.array([bool(t) and set(t.decode("utf-8", "ignore")) <= CLOSING for t in vocab])
     ctx = mp.get_context("fork")
     pending = list(enumerate(rows))
@@ -251,17 +322,17 @@ def run_all(args, rows: list[dict]) -> list[dict]:
 
 def _rates_line(results: list[dict]) -> str:
     parts = []
-    for e in ENGINES:
+    for e in [k for k in (*ENGINES, REFERENCE) if any(k in r for r in results)]:
         docs = sum(r[e]["documents"] for r in results if r.get("status") == "ok" and r[e]["status"] == "ok")
         valid = sum(r[e]["valid"] for r in results if r.get("status") == "ok" and r[e]["status"] == "ok")
         parts.append(f"{e} {valid}/{docs} valid")
     return ", ".join(parts)
 
 
-def summarise(results: list[dict]) -> dict:
+def summarise(results: list[dict], names: list[str]) -> dict:
     """Valid share per engine, overall / by source / by category, and failures by cause."""
-    out: dict = {"schemas": Counter(r["status"] for r in results)}
-    for e in ENGINES:
+    out: dict = {"schemas": Counter(r["status"] for r in results), "engines": names}
+    for e in names:
         agg: dict = {"by_source": defaultdict(lambda: [0, 0]), "by_category": defaultdict(lambda: [0, 0]),
                      "causes": Counter(), "cause_schemas": defaultdict(list), "compile_errors": 0,
                      "validator_errors": 0, "unfinished": 0}
@@ -298,15 +369,19 @@ def _share(valid: int, docs: int) -> dict:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| source / category | xgrammar valid | structd valid |", "|---|---|---|"]
-    x, s = summary["xgrammar"], summary["structd"]
-    for key in list(x["by_source"]) + list(x["by_category"]):
-        a = x["by_source"].get(key) or x["by_category"].get(key)
-        b = s["by_source"].get(key) or s["by_category"].get(key) or {"valid": 0, "documents": 0, "share": None}
-        lines.append(f"| {key} | {_fmt(a)} | {_fmt(b)} |")
-    lines += ["", "| cause | xgrammar documents | structd documents |", "|---|---|---|"]
-    for cause in sorted(set(x["causes"]) | set(s["causes"]), key=lambda c: -x["causes"].get(c, 0)):
-        lines.append(f"| {cause} | {x['causes'].get(cause, 0)} | {s['causes'].get(cause, 0)} |")
+    names = summary["engines"]
+    empty = {"valid": 0, "documents": 0, "share": None}
+    first = summary[names[0]]
+    lines = ["| source / category | " + " | ".join(f"{e} valid" for e in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for key in list(first["by_source"]) + list(first["by_category"]):
+        cells = [_fmt(summary[e]["by_source"].get(key) or summary[e]["by_category"].get(key) or empty) for e in names]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines.append("| schemas refused at compile | " + " | ".join(str(summary[e]["compile_errors"]) for e in names) + " |")
+    lines += ["", "| cause | " + " | ".join(f"{e} documents" for e in names) + " |", "|---|" + "---|" * len(names)]
+    causes = sorted({c for e in names for c in summary[e]["causes"]}, key=lambda c: -first["causes"].get(c, 0))
+    for cause in causes:
+        lines.append(f"| {cause} | " + " | ".join(str(summary[e]["causes"].get(cause, 0)) for e in names) + " |")
     return "\n".join(lines)
 
 
@@ -321,13 +396,15 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    cats = list(summary["xgrammar"]["by_category"])
+    names = summary["engines"]
+    cats = list(summary[names[0]]["by_category"])
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(cats) + 1.5))
     y = np.arange(len(cats))
-    for k, e in enumerate(ENGINES):
+    height = 0.8 / len(names)
+    for k, e in enumerate(names):
         vals = [100 * (summary[e]["by_category"].get(c, {}).get("share") or 0) for c in cats]
-        ax.barh(y + 0.4 * k, vals, height=0.4, label=e)
-    ax.set_yticks(y + 0.2, cats, fontsize=7)
+        ax.barh(y + height * k, vals, height=height, label=e)
+    ax.set_yticks(y + 0.4 - height / 2, cats, fontsize=7)
     ax.set_xlabel("complete random-walk documents that validate (%)")
     ax.set_xlim(0, 100)
     ax.legend()
@@ -347,7 +424,7 @@ def run_bench(args) -> int:
     rows = load_rows(args)
     progress(f"{len(rows)} schemas, {args.walks} walks each per grammar, {args.workers} workers")
     results = run_all(args, rows)
-    summary = summarise(results)
+    summary = summarise(results, engines(args))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {**result_header(args, machine(), started), "wall_seconds": round(time.time() - started, 1),
               "summary": summary, "schemas": results}
