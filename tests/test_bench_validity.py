@@ -46,3 +46,22 @@ def test_small_run_through_the_cli(tmp_path, capsys):
 def test_a_walk_count_below_one_is_refused(tmp_path, capsys):
     assert cli.main(["bench", "validity", "--out", str(tmp_path), "--walks", "0"]) == 2
     assert "--walks must be at least 1" in capsys.readouterr().err
+
+
+def test_end_to_end_outputs_are_valid_or_reported(tmp_path, capsys):
+    """Two schemas through real grammar + inference services: each finished output is judged, none silent."""
+    rc = cli.main(["bench", "validity", "--out", str(tmp_path), "--no-walks", "--e2e-requests", "2",
+                   "--e2e-max-tokens", "64", "--e2e-concurrency", "2",
+                   "--jsonschemabench", _jsonl(tmp_path / "jsb.jsonl", SCHEMAS), "--maskbench", ""])
+    assert rc == 0
+    result = json.loads((tmp_path / "validity-bench.json").read_text())
+    e2e = result["end_to_end"]
+    assert e2e["summary"]["requests"] == 2
+    assert {r["name"] for r in e2e["records"]} == {"bounded.json", "any-of-root.json"}
+    for record in e2e["records"]:
+        assert record["outcome"] in {"valid", "reported", "unchecked", "unfinished"}, record
+    # Seeded sampling: the bounded string's document finishes, validates, and the server's check agrees.
+    bounded = next(r for r in e2e["records"] if r["name"] == "bounded.json")
+    assert bounded["outcome"] == "valid" and bounded["server_agrees"], bounded
+    assert (tmp_path / "validity-e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| invalid, silent | 0 |" in capsys.readouterr().out

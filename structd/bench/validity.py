@@ -17,8 +17,11 @@ or the end) where one is allowed, so most walks finish within
 killed at --schema-timeout-seconds; --time-budget-seconds stops starting
 new schemas.
 
-Writes <out>/validity-bench.json and <out>/validity-bench.png and prints a
-markdown table.
+With --e2e-requests N, N schemas also go through the whole stack (real
+services, the embedded model): structd/bench/validity_e2e.py.
+
+Writes <out>/validity-bench.json, <out>/validity-bench.png (and
+validity-e2e.png) and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from structd.bench import validity_e2e
 from structd.bench.harness import result_header
 
 ENGINES = ("xgrammar", "structd")
@@ -62,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-seconds", type=float, default=0.0, help="stop starting schemas after this (0: none)")
     p.add_argument("--workers", type=int, default=2, help="schemas in parallel (one process each)")
     p.add_argument("--seed", type=int, default=2024)
+    p.add_argument("--no-walks", action="store_true", help="skip the random walks (with --e2e-requests)")
+    validity_e2e.add_arguments(p)
     p.add_argument("--reference", choices=[REFERENCE, "none"], default=REFERENCE,
                    help="also walk llguidance's grammar for each schema, as a reference (bench extra)")
 
@@ -416,19 +422,30 @@ def plot(summary: dict, path: Path) -> None:
 def run_bench(args) -> int:
     from structd.bench.grammar.report import machine
 
+    if args.no_walks and args.e2e_requests < 1:
+        print("--no-walks leaves nothing to run without --e2e-requests", file=sys.stderr)
+        return 2
     for flag in ("walks", "max_tokens", "workers"):
         if getattr(args, flag) < 1:
             print(f"--{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
     started = time.time()
     rows = load_rows(args)
-    progress(f"{len(rows)} schemas, {args.walks} walks each per grammar, {args.workers} workers")
-    results = run_all(args, rows)
-    summary = summarise(results, engines(args))
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "wall_seconds": round(time.time() - started, 1),
-              "summary": summary, "schemas": results}
+    result = {**result_header(args, machine(), started)}
+    if not args.no_walks:
+        progress(f"{len(rows)} schemas, {args.walks} walks each per grammar, {args.workers} workers")
+        results = run_all(args, rows)
+        summary = summarise(results, engines(args))
+        result.update(summary=summary, schemas=results)
+        plot(summary, args.out / "validity-bench.png")
+        print(markdown(summary))
+    if args.e2e_requests > 0:
+        e2e = validity_e2e.run_e2e(args, rows, args.out, progress)
+        result["end_to_end"] = e2e
+        validity_e2e.plot(e2e["summary"], args.out / "validity-e2e.png")
+        print()
+        print(validity_e2e.markdown(e2e["summary"]))
+    result["wall_seconds"] = round(time.time() - started, 1)
     (args.out / "validity-bench.json").write_text(json.dumps(result, indent=1))
-    plot(summary, args.out / "validity-bench.png")
-    print(markdown(summary))
     return 0
