@@ -10,7 +10,10 @@ xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
 3. `pattern` and `format` strings xgrammar prints as plain EBNF are written as
    JSON strings too (grammar_svc/regex_strings.py: `"`, `\\` and control
    characters escaped);
-4. bounded strings are put in tail form (grammar_svc/bounded_strings.py), the
+4. in compact style, values the schema leaves untyped (json_object,
+   lenient extras, `{"type": "array"}`) are compact too: xgrammar 0.2.8
+   hard-codes ", " between their items whatever the separators;
+5. bounded strings are put in tail form (grammar_svc/bounded_strings.py), the
    same language with masks that are cached lookups.
 
 `GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
@@ -27,7 +30,7 @@ from grammar_svc.regex_strings import escape_regex_strings
 from grammar_svc.schema_normalise import normalise_schema
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-4"
+GRAMMAR_REVISION = "json-grammar-5"
 
 
 def normalised_schema_text(schema_text: str) -> str:
@@ -47,7 +50,20 @@ def json_schema_ebnf(schema_text: str, json_options, *, xgrammar_only: bool = Fa
     if xgrammar_only:
         return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
     ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text), **json_options.xgrammar_kwargs()))
-    return escape_regex_strings(fix_string_characters(ebnf)[0])[0]
+    ebnf = escape_regex_strings(fix_string_characters(ebnf)[0])[0]
+    # (spec.Whitespace is a str enum; spec.py imports this module, so its name is compared.)
+    return _compact_free_values(ebnf) if json_options.whitespace == "compact" else ebnf
+
+
+# xgrammar's rules for the items of an untyped array / object, with the ", " it hard-codes.
+_FREE_ITEM_RULES = ('basic_array_items ::= ((", " basic_any))',
+                    'basic_object_properties ::= ((", " basic_string ":" basic_any))')
+
+
+def _compact_free_values(ebnf: str) -> str:
+    for rule in _FREE_ITEM_RULES:
+        ebnf = ebnf.replace(rule, rule.replace('", "', '","'))
+    return ebnf
 
 
 def compile_json_schema(compiler, schema_text: str, json_options, *, rewrite: bool = True):

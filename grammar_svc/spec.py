@@ -123,8 +123,9 @@ class GrammarSpec:
         parts = [
             tokenizer_fingerprint,
             self.kind.value,
-            # A JSON Schema's grammar is structd's, not xgrammar's alone: a new revision is a new grammar.
-            GRAMMAR_REVISION if self.kind is Kind.JSON_SCHEMA else "",
+            # A JSON Schema's grammar (also inside a structural tag) is structd's, not xgrammar's alone:
+            # a new revision is a new grammar.
+            GRAMMAR_REVISION if self.kind in (Kind.JSON_SCHEMA, Kind.JSON_OBJECT, Kind.STRUCTURAL_TAG) else "",
             self.root_rule,
             o.whitespace.value,
             str(o.indent),
@@ -160,7 +161,7 @@ def compile_spec(compiler, spec: GrammarSpec):
         # Normalised schema, JSON strings, bounded strings in tail form (json_grammar.py).
         return compile_json_schema(compiler, spec.text, spec.json_options)
     if spec.kind is Kind.JSON_OBJECT:
-        return compiler.compile_json_schema('{"type": "object"}', **spec.json_options.xgrammar_kwargs())
+        return compile_json_schema(compiler, '{"type": "object"}', spec.json_options)
     if spec.kind is Kind.REGEX:
         return compiler.compile_regex(spec.text)
     if spec.kind is Kind.EBNF:
@@ -168,5 +169,8 @@ def compile_spec(compiler, spec: GrammarSpec):
     if spec.kind is Kind.CHOICE:
         return compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
     if spec.kind is Kind.STRUCTURAL_TAG:
-        return compiler.compile_structural_tag(spec.text)
+        from grammar_svc.structural_tags import structd_structural_tag
+
+        # Its json_schema parts through structd's JSON grammar, with the request's JSON options.
+        return compiler.compile_structural_tag(structd_structural_tag(spec.text, spec.json_options))
     raise InvalidGrammarError(f"unsupported grammar kind {spec.kind!r}")

@@ -4,7 +4,9 @@ A request's tools and tool choice become one xgrammar structural tag in the
 model family's tool-call format (model_family.py), with each call's
 arguments under its tool's parameters schema, as compact strict JSON (the
 grammar tier's defaults for json_schema: "," and ":" separators, no free
-whitespace, no properties beyond those listed). The answer text then holds
+whitespace, no properties beyond those listed), sent as the tag's
+`json_schema` parts so that the grammar tier compiles them with structd's
+JSON grammar (grammar_svc/structural_tags.py). The answer text then holds
 the calls as markup; `ToolCallParser` cuts them out of the streamed text and
 returns each one whole, so a client never sees part of the markup.
 """
@@ -179,7 +181,12 @@ def _json_format(schema: object, what: str, options: JsonOptions = JsonOptions()
             f"{what} with {options.whitespace} whitespace cannot be combined with tools: with tools, JSON is "
             "compact (leave json_options.whitespace unset)")
     text = json.dumps(schema, sort_keys=False)
-    return {"type": "grammar", "grammar": _compact_json_ebnf(text, what, options.lenient, options.any_key_order)}
+    ebnf = _compact_json_ebnf(text, what, options.lenient, options.any_key_order)  # refuses a bad schema here
+    if options == JsonOptions() and isinstance(schema, dict):
+        # The grammar tier compiles a structural tag's json_schema parts with structd's JSON grammar,
+        # compact and strict: the schema's fixes (JSON strings, kept types) hold inside tool calls too.
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": "grammar", "grammar": ebnf}
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,8 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+from grammar_svc.spec import GrammarSpec, Kind, compile_spec
+
 from inference_svc.grammar_session import Constraint, JsonOptions
 from inference_svc.model_family import ModelFamily, load_family
 from inference_svc.tool_calls import (
@@ -51,8 +53,9 @@ def compiler(xgr_tokenizer_info):
 
 
 def compiled(compiler, family, choice, tools=TOOLS, answer=None):
+    """The tag as the grammar tier compiles it (its json_schema parts through structd's JSON grammar)."""
     tag = tool_call_structural_tag(family, tools, choice, answer)
-    return compiler.compile_structural_tag(json.dumps(tag))
+    return compile_spec(compiler, GrammarSpec(Kind.STRUCTURAL_TAG, json.dumps(tag)))
 
 
 def accepts(grammar, text: str) -> bool:
@@ -90,6 +93,12 @@ ANSWERS = [
     pytest.param(lambda f: calls(f, ("send_email", '{}')), False, False, False, id="unknown-tool"),
     pytest.param(lambda f: calls(f, ("get_weather", '{"city": "Paris"}')), False, False, False,
                  id="not-compact"),
+    # Arguments compile through structd's JSON grammar (grammar_svc/structural_tags.py): bounded strings
+    # are JSON strings, as in a json_schema constraint (xgrammar alone takes the raw tab, refuses the escape).
+    pytest.param(lambda f: calls(f, ("get_weather", '{"city":"Pa\tris"}')), False, False, False,
+                 id="raw-tab-in-a-bounded-string"),
+    pytest.param(lambda f: calls(f, ("get_weather", '{"city":"Pa\\"ris"}')), True, True, True,
+                 id="escaped-quote-in-a-bounded-string"),
     pytest.param(lambda f: calls(f, ("get_weather", '{"city":"Paris"}')) + " All done.", True, False, False,
                  id="text-after-calls"),
 ]
@@ -233,7 +242,7 @@ def test_parameters_from_json_text_accepts_an_object_or_nothing():
     assert ToolSpec.from_json("f", "d", '{"type":"object"}').parameters == {"type": "object"}
 
 
-def random_answer(grammar, vocab_size: int, seed: int, limit: int = 400) -> list[int]:
+def random_answer(grammar, vocab_size: int, seed: int, limit: int = 2000) -> list[int]:
     """Token ids drawn uniformly from the grammar's own mask until it ends (the stop token) or `limit`."""
     matcher = xgr.GrammarMatcher(grammar)
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
