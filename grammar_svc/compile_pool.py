@@ -522,8 +522,10 @@ class CompilePool:
         Raises WorkersBusyError, CompileTimeoutError, WorkerCrashedError (the caller
         decides whether to retry), InvalidGrammarError or UnavailableError.
         """
-        if self._closed or not self._started:
+        if self._closed:
             raise UnavailableError("grammar service is shutting down")
+        if not self._started:
+            raise UnavailableError("grammar service is starting: its compile workers are not up yet; retry shortly")
         worker = await self._acquire(timeout_seconds)
         loop = asyncio.get_running_loop()
         stage = "tokenizer"
