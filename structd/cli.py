@@ -90,8 +90,14 @@ BENCHMARKS = [
      "per-request latency, status and validity."),
     ("validity", "structd.bench.validity", "validity: share of random-walk JSON documents that validate, xgrammar vs structd",
      "Seeded random walks through each JSON-Schema grammar's own token masks over the JSONSchemaBench and MaskBench "
-     "samples, xgrammar as-is and structd's grammar: share of complete documents valid against their schema (its own "
-     "draft), by category and by cause."),
+     "samples, xgrammar as-is, structd's grammar and llguidance's as a reference: share of complete documents valid "
+     "against their schema (its own draft), by category and by cause; with --e2e-requests, finished outputs through "
+     "the whole stack: valid, reported to the client, or silent."),
+    ("json-grammar", "structd.bench.json_grammar_cost",
+     "json-grammar: compile and mask-fill cost of structd's JSON grammar vs the path before it, interleaved",
+     "Each schema compiled both ways (xgrammar + tail form before, structd's JSON grammar after) in alternating "
+     "order, then both matchers filled at every position of one seeded walk, alternating: compile and per-row fill "
+     "ratios measured in one process."),
 ]
 
 
