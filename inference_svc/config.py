@@ -16,6 +16,9 @@ ENV_PREFIX = "STRUCTD_INFERENCE_"
 # The KV cache's defaults, here once: the runners take them as theirs.
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
+# --compile: the modes compiled_forward.py runs, and auto (picked per device by compile_mode()).
+COMPILE_MODES = ("off", "default", "max-autotune")
+COMPILE_CHOICES = ("auto", *COMPILE_MODES)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,13 @@ class InferenceServiceConfig:
     num_threads: int = 0
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     block_size: int = DEFAULT_BLOCK_SIZE
+    # torch.compile of the model body: auto (default on CUDA, off on CPU, where it gains too little to pay
+    # its compile: docs/benchmarks.md), off, default or max-autotune.
+    compile: str = "auto"
+    # Token-count buckets the body is compiled for (empty: powers of two up to --max-num-batched-tokens).
+    compile_buckets: tuple[int, ...] = ()
+    # Inductor's on-disk cache of compiled kernels (None: ~/.cache/structd/inductor).
+    compile_cache_dir: Path | None = None
     # Benchmarks only: replace the model by random logits after this many ms per step.
     simulate_step_ms: float = 0.0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -97,6 +107,12 @@ class InferenceServiceConfig:
             problems.append(f"--device {self.device}: use cpu or cuda")
         if self.dtype not in ("auto", *DTYPES):
             problems.append(f"--dtype {self.dtype}: use auto, {', '.join(DTYPES)}")
+        if self.compile not in COMPILE_CHOICES:
+            problems.append(f"--compile {self.compile}: use {', '.join(COMPILE_CHOICES)}")
+        elif self.compile not in ("auto", "off") and self.tp > 1:
+            problems.append(f"--compile {self.compile} needs --tp 1 (a sharded model is run eagerly)")
+        if any(b < 1 for b in self.compile_buckets):
+            problems.append("--compile-buckets must be positive token counts")
         if self.num_threads < 0:
             problems.append("--num-threads must be >= 0")
         if self.block_size < 1 or self.kv_cache_bytes < 1:
@@ -119,6 +135,17 @@ class InferenceServiceConfig:
         if problems:
             raise SystemExit("invalid inference service configuration: " + "; ".join(problems))
         return self
+
+    def compile_mode(self, device: str) -> str:
+        """The --compile mode in force on device: auto is off on CPU and under --tp, default on CUDA."""
+        if self.compile != "auto":
+            return self.compile
+        return "default" if device.startswith("cuda") and self.tp == 1 else "off"
+
+    def bucket_sizes(self) -> tuple[int, ...]:
+        from inference_svc.compiled_forward import bucket_sizes
+
+        return tuple(sorted(set(self.compile_buckets))) or bucket_sizes(self.engine.max_num_batched_tokens)
 
     def torch_threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -149,6 +176,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--dtype", d.dtype, "auto (the checkpoint's dtype where the device computes it natively, else "
                               "float32), float32, bfloat16 or float16")
     f.add("--num-threads", d.num_threads, "torch CPU threads (0: half the cores)")
+    f.add("--compile", d.compile, "torch.compile (inductor) of the model body: auto (default on CUDA, with CUDA "
+                                  "graphs; off on CPU, where it gains ~1 ms per step for minutes of compiling), "
+                                  "off, default or max-autotune; compiled once per bucket at start-up")
+    f.add("--compile-buckets", "", "token counts the body is compiled for, comma-separated; a step pads to the "
+                                   "next one (default: powers of two up to --max-num-batched-tokens)")
+    f.add("--compile-cache-dir", None, "inductor's on-disk cache of compiled kernels, reused across restarts "
+                                       "(default ~/.cache/structd/inductor)", kind=Path)
     f.add("--kv-cache-bytes", d.kv_cache_bytes)
     f.add("--block-size", d.block_size)
     f.add("--max-num-seqs", e.max_num_seqs)
@@ -179,6 +213,14 @@ def parse_targets(raw: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in raw.split(",") if t.strip())
 
 
+def parse_buckets(raw: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in raw.split(",") if b.strip())
+    except ValueError:  # the operator's flag value
+        raise SystemExit(f"invalid inference service configuration: --compile-buckets {raw}: use token counts "
+                         "separated by commas, e.g. 1,8,32,128") from None
+
+
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
     return InferenceServiceConfig(
         host=args.host,
@@ -195,6 +237,9 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         num_threads=args.num_threads,
         kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size,
+        compile=args.compile,
+        compile_buckets=parse_buckets(args.compile_buckets),
+        compile_cache_dir=Path(args.compile_cache_dir) if args.compile_cache_dir else None,
         simulate_step_ms=args.simulate_step_ms,
         engine=EngineConfig(
             max_num_seqs=args.max_num_seqs,

@@ -96,6 +96,12 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
     runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                                      tp_size=config.tp)
+    if (mode := config.compile_mode(device)) != "off":
+        from inference_svc.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
+
+        CompiledBody.install(model, CompileSettings(mode, config.bucket_sizes(),
+                                                    config.compile_cache_dir or default_compile_cache_dir()),
+                             progress=log.info)
     if rank is not None and rank.rank == 0:
         runner = TensorParallelRunner(runner)
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None

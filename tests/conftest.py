@@ -74,6 +74,18 @@ def grammar_server():
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules running tiny models in-process: a second intra-op thread only adds barrier waits, which
+    cost whole scheduler time slices when the machine is busy (measured: 0.2 s vs 8 s here)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_desc():
     from shared.tokenizer import default_description

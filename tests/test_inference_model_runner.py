@@ -18,16 +18,7 @@ TINY = EmbeddedModelSpec(name="runner-tiny", hidden_size=64, num_hidden_layers=2
                          num_key_value_heads=2, intermediate_size=128)
 VOCAB = 129_280
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny: a second intra-op thread only adds barrier waits, which cost
-    whole scheduler time slices when the machine is busy (measured: 0.2 s vs 8 s here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

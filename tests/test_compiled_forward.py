@@ -1,0 +1,159 @@
+"""The compiled model body (--compile): greedy tokens equal the eager runner's over mixed steps; the flag.
+
+The compile runs inductor for real (g++ on CPU); one small bucket keeps it
+near half a minute on 2 cores, and steps above it exercise the eager fallback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from inference_svc import config as iconfig
+from inference_svc.compiled_forward import CompiledBody, CompileSettings, bucket_sizes, inductor_mode
+from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.model_loading import load_model
+from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
+
+TINY = EmbeddedModelSpec(name="compile-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+BUCKET = 8
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory):
+    model_dir = ensure_embedded_model(tmp_path_factory.mktemp("compile-model"), TINY, progress=None)
+
+    def runner(compiled: bool) -> PagedModelRunner:
+        model, _ = load_model(model_dir, "cpu")
+        spec = KVCacheSpec.from_model_config(model.config, torch.float32, 4)
+        runner = PagedModelRunner(model, PagedKVCache(spec, 256))
+        if compiled:
+            settings = CompileSettings("default", (BUCKET,), tmp_path_factory.mktemp("inductor"))
+            CompiledBody.install(model, settings, progress=lines.append)
+        return runner
+
+    lines: list[str] = []
+    eager, compiled = runner(False), runner(True)
+    return eager, compiled, lines
+
+
+def test_warm_up_reports_each_bucket(runners):
+    *_, lines = runners
+    assert lines[0].startswith("compiling the model body (default) for 1 token buckets [8]")
+    assert "bucket    8 tokens compiled (1/1" in lines[1] and lines[-1].startswith("model body compiled in")
+
+
+def test_greedy_tokens_equal_eager_over_mixed_steps(runners):
+    """Sequences arrive, prefill in chunks, decode, take jump-forward runs (extends) and finish; every step
+    feeds both runners the same tokens, and each row's greedy token must be the same."""
+    eager, compiled, _ = runners
+    rng = random.Random(13)
+    fed: dict[int, list[int]] = {}  # tokens in each runner's KV cache per live sequence
+    pending: dict[int, list[int]] = {}  # prompt tokens not fed yet, then the next tokens to feed
+    next_id, rows, buckets_seen = 0, 0, set()
+    for step in range(240):
+        if len(pending) < 5 and rng.random() < 0.3:
+            pending[next_id] = [rng.randrange(129_280) for _ in range(rng.randrange(2, 20))]
+            fed[next_id] = []
+            next_id += 1
+        chunks = []
+        for seq_id, todo in pending.items():
+            n = min(len(todo), rng.randrange(1, 7))
+            start = len(fed[seq_id])
+            for r in (eager, compiled):
+                blocks = r.block_manager
+                blocks.extend(seq_id, n) if seq_id in blocks else blocks.allocate(seq_id, n)
+            chunks.append(SequenceChunk(seq_id, tuple(todo[:n]), start, needs_logits=n == len(todo)))
+        if not chunks:
+            continue
+        batch = StepBatch.of(chunks)
+        buckets_seen.add(batch.num_tokens <= BUCKET)
+        want, got = eager.forward(batch), compiled.forward(batch)
+        assert torch.equal(want.argmax(-1), got.argmax(-1)), f"step {step}: greedy tokens differ"
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        rows += want.shape[0]
+        for c in chunks:
+            fed[c.seq_id].extend(c.token_ids)
+            del pending[c.seq_id][: len(c.token_ids)]
+        for seq_id, token in zip(batch.logit_seq_ids, want.argmax(-1).tolist()):
+            if len(fed[seq_id]) > 40:
+                for r in (eager, compiled):
+                    r.block_manager.free(seq_id)
+                del pending[seq_id]
+                continue
+            # Now and then a jump-forward run: the sampled token plus tokens the grammar forces.
+            forced = [rng.randrange(129_280) for _ in range(rng.randrange(1, 4))] if rng.random() < 0.2 else []
+            pending[seq_id] = [token, *forced]
+        pending = {s: t for s, t in pending.items() if t}
+    assert rows > 200 and buckets_seen == {True, False}  # padded compiled steps and eager fallbacks both ran
+
+
+def test_padding_rows_write_no_kv(runners):
+    """A padded step leaves every KV slot it was not given unchanged."""
+    _, compiled, _ = runners
+    cache = compiled.kv_cache
+    before = [t.clone() for t in cache.flat(0)]
+    blocks = compiled.block_manager
+    blocks.allocate("pad", 3)
+    compiled.forward(StepBatch.of([SequenceChunk("pad", (5, 6, 7), 0)]))
+    written = set(blocks.slot_mapping("pad", 0, 3))
+    after = cache.flat(0)
+    for old, new in zip(before, after):
+        changed = (old != new).flatten(1).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= written
+    blocks.free("pad")
+
+
+@pytest.mark.parametrize("max_tokens, want", [
+    pytest.param(1, (1,), id="one"),
+    pytest.param(512, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="power-of-two"),
+    pytest.param(48, (1, 2, 4, 8, 16, 32, 48), id="tail"),
+])
+def test_bucket_sizes(max_tokens, want):
+    assert bucket_sizes(max_tokens) == want
+
+
+@pytest.mark.parametrize("mode, device, want", [
+    pytest.param("default", "cpu", None, id="cpu-default"),
+    pytest.param("max-autotune", "cpu", "max-autotune-no-cudagraphs", id="cpu-autotune-no-graphs"),
+    pytest.param("default", "cuda", "reduce-overhead", id="cuda-graphs"),
+    pytest.param("max-autotune", "cuda", "max-autotune", id="cuda-autotune"),
+])
+def test_cuda_graphs_only_on_cuda(mode, device, want):
+    assert inductor_mode(mode, torch.device(device)) == want
+
+
+def _config(argv: list[str], env: dict[str, str] | None = None) -> iconfig.InferenceServiceConfig:
+    parser = argparse.ArgumentParser()
+    iconfig.add_arguments(parser, env or {})
+    return iconfig.from_args(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv, env, device, mode, buckets", [
+    pytest.param([], {}, "cpu", "off", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="auto-off-on-cpu"),
+    pytest.param([], {}, "cuda", "default", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="auto-default-on-cuda"),
+    pytest.param(["--compile", "max-autotune", "--max-num-batched-tokens", "64"], {}, "cpu", "max-autotune",
+                 (1, 2, 4, 8, 16, 32, 64), id="buckets-follow-batch-budget"),
+    pytest.param(["--compile-buckets", "32,8,8"], {"STRUCTD_INFERENCE_COMPILE": "default"}, "cpu", "default",
+                 (8, 32), id="env-twin-and-buckets"),
+])
+def test_compile_flags(argv, env, device, mode, buckets):
+    config = _config(argv, env)
+    assert config.compile_mode(device) == mode and config.bucket_sizes() == buckets
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["--compile", "fast"], "--compile fast: use auto, off, default, max-autotune", id="unknown-mode"),
+    pytest.param(["--compile", "default", "--tp", "2"], "needs --tp 1", id="sharded"),
+    pytest.param(["--compile-buckets", "8,0"], "must be positive", id="zero-bucket"),
+    pytest.param(["--compile-buckets", "8;16"], "--compile-buckets 8;16: use token counts", id="not-a-list"),
+])
+def test_compile_flag_problems(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        _config(argv)
