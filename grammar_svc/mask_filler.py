@@ -7,8 +7,9 @@ cheap rows). Rows are therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
 (xgrammar releases the GIL while filling). Every row is timed for the
-mask-fill histogram; rows the client has cached are not encoded at all, and
-rows encoded recently are not encoded again (_EncodeMemo).
+mask-fill histogram; rows the client has cached or that repeat an earlier
+row of the step are not encoded at all, and rows encoded recently are not
+encoded again (_EncodeMemo).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import xgrammar as xgr
 
 from grammar_svc.session import GrammarSession
@@ -111,14 +113,24 @@ class MaskFiller:
             s.fill(tensor, pos)
         for f in slow:
             f.result()
-        words = array[: len(rows)].view("uint32") & encoder.valid
+        words = array[: len(rows)].view(np.uint32)
+        if encoder.padding:
+            # Padding bits sit in the last word only: cleared in place (this thread's buffer, refilled
+            # every step) instead of masking a copy of every row.
+            words[:, -1] &= encoder.valid[-1]
         out = []
+        seen: set[bytes] = set()
         for pos, (index, session) in enumerate(rows):
             row = words[pos]
             key = row.tobytes()
-            # The stream cache is only read here (writes happen afterwards,
-            # under the same stream lock): a cached row needs no encoding.
-            enc = None if cache is not None and cache.lookup(key) is not None else self._memo.encode(key, row, encoder)
+            # A row equal to an earlier one of this step goes out as a same_as reference
+            # (assign_wire_forms), and one the client has cached as its slot: neither needs an encoding.
+            # The stream cache is only read here (writes happen afterwards, under the same stream lock).
+            if key in seen or (cache is not None and cache.lookup(key) is not None):
+                enc = None
+            else:
+                seen.add(key)
+                enc = self._memo.encode(key, row, encoder)
             out.append(FilledRow(index, key, enc, encoder, session.last_fill_seconds))
         return out
 

@@ -75,17 +75,14 @@ def spec_from_proto(spec: pb.GrammarSpec) -> GrammarSpec:
 
 
 def op_from_proto(s: pb.SessionStep) -> SessionOp:
-    has_open = s.HasField("open")
-    return SessionOp(
-        session_id=s.session_id,
-        open_grammar_id=s.open.grammar_id if has_open else None,
-        terminate_without_stop_token=s.open.terminate_without_stop_token if has_open else False,
-        rollback_tokens=s.rollback_tokens,
-        accept_token_ids=s.accept_token_ids,
-        jump_forward=s.jump_forward,
-        skip_mask=s.skip_mask,
-        close=s.close,
-    )
+    # Positional, and `open` read only when present: this runs for every session of every step
+    # (keywords and the extra reads cost ~0.6 µs a session).
+    if s.HasField("open"):
+        o = s.open
+        return SessionOp(s.session_id, o.grammar_id, o.terminate_without_stop_token, s.rollback_tokens,
+                         s.accept_token_ids, s.jump_forward, s.skip_mask, s.close)
+    return SessionOp(s.session_id, None, False, s.rollback_tokens, s.accept_token_ids, s.jump_forward,
+                     s.skip_mask, s.close)
 
 
 class GrammarServicer(pb_grpc.GrammarServiceServicer):

@@ -121,6 +121,7 @@ class MaskEncoder:
         if tail:
             valid[-1] = (1 << tail) - 1
         self.valid = valid
+        self.padding = bool(tail)  # the last word has bits past vocab_size
         self.dense_bytes = self.num_words * 4
 
     def canonical(self, row: np.ndarray) -> np.ndarray:
@@ -186,7 +187,7 @@ class FilledRow:
 
     index: int  # the result it belongs to, in the step
     key: bytes  # the canonical row's bytes: equal masks, equal keys
-    encoding: EncodedMask | None  # None: the client has the row cached, so it was not encoded
+    encoding: EncodedMask | None  # None: not encoded (the client has it cached, or it repeats an earlier row)
     encoder: MaskEncoder
     fill_seconds: float = 0.0
 
@@ -197,8 +198,8 @@ def assign_wire_forms(rows: list[FilledRow], cache: StreamMaskCache | None) -> l
     A row equal to an earlier row of the message becomes a same_as reference,
     one the client has cached becomes a cached_slot, and a new one large
     enough is stored in the next cache slot. An encoding of None (the filler
-    skipped it because the row was cached) is computed here if that slot was
-    recycled in the meantime.
+    skipped it because the row was cached, or repeats an earlier row of the
+    message) is computed here if that slot was recycled in the meantime.
     """
     out: list[EncodedMask] = []
     first: dict[bytes, int] = {}
