@@ -160,10 +160,10 @@ class CompiledBody:
         body = model.get_decoder()
         self._eager = body.forward
         configure_cache(settings.cache_dir)
-        # One static graph per bucket, plus headroom: past the limit dynamo would fall back to eager silently.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets))
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets))
+        # One static graph per bucket, cached on the decoder's code object, which every model of the same
+        # class shares: each installed body adds its buckets to dynamo's limit (past it, fullgraph fails).
+        torch._dynamo.config.recompile_limit += len(self.buckets)
+        torch._dynamo.config.accumulated_recompile_limit += len(self.buckets)
         self._compiled = torch.compile(self._eager, mode=inductor_mode(settings.mode, self.device),
                                        dynamic=False, fullgraph=True)
         model.set_attn_implementation(register_op_attention())
@@ -189,10 +189,10 @@ class CompiledBody:
             f"{list(self.buckets)}, cache {self.settings.cache_dir}")
         for i, size in enumerate(self.buckets, 1):
             t0 = time.perf_counter()
-            ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
+            # Inference tensors, as the runner's are: dynamo guards on the dispatch keys too.
             with torch.inference_mode():
-                self._run(self._compiled, _WARMUP, size, input_ids=ids, position_ids=ids.clone(),
-                          attention_mask=None, use_cache=False)
+                ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
+                self._run(self._compiled, _WARMUP, size, **self._plain_call(ids, ids.clone()))
             say(f"  bucket {size:>4} tokens compiled ({i}/{len(self.buckets)}, {time.perf_counter() - t0:.1f} s)")
         say(f"model body compiled in {time.perf_counter() - started:.1f} s")
 
@@ -202,7 +202,10 @@ class CompiledBody:
             raise RuntimeError("the compiled body needs a step context: call it through PagedModelRunner")
         num_tokens = input_ids.shape[1]
         size = self.bucket_for(num_tokens)
-        if size is None:
+        # The graphs were traced for the runner's plain call; anything else (a cache, embeddings given, ...)
+        # would make dynamo guard-fail and recompile on the request path, so it runs eagerly.
+        plain = all(v is None or (k == "use_cache" and not v) for k, v in kwargs.items())
+        if size is None or not plain:
             return self._run(self._eager, ctx, num_tokens, input_ids=input_ids, position_ids=position_ids,
                              **kwargs)
         pad = size - num_tokens
@@ -213,13 +216,17 @@ class CompiledBody:
         if self.device.type == "cuda":
             # Each step is a new iteration of the captured graphs (their earlier outputs may be overwritten).
             torch.compiler.cudagraph_mark_step_begin()
-        out = self._run(self._compiled, ctx, num_tokens, input_ids=input_ids, position_ids=position_ids,
-                        **kwargs)
+        out = self._run(self._compiled, ctx, num_tokens, **self._plain_call(input_ids, position_ids))
         if pad:
             # A view: the LM head reads it before the next step (under CUDA graphs, the next replay
             # overwrites the buffer it lives in).
             out.last_hidden_state = out.last_hidden_state[:, :num_tokens]
         return out
+
+    @staticmethod
+    def _plain_call(input_ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """The one set of arguments the graphs are traced and called with (dynamo guards on them)."""
+        return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
 
     @staticmethod
     def _run(fn, ctx, num_tokens: int, **kwargs):

@@ -57,40 +57,42 @@ def test_greedy_tokens_equal_eager_over_mixed_steps(runners):
     fed: dict[int, list[int]] = {}  # tokens in each runner's KV cache per live sequence
     pending: dict[int, list[int]] = {}  # prompt tokens not fed yet, then the next tokens to feed
     next_id, rows, buckets_seen = 0, 0, set()
-    for step in range(240):
-        if len(pending) < 5 and rng.random() < 0.3:
-            pending[next_id] = [rng.randrange(129_280) for _ in range(rng.randrange(2, 20))]
-            fed[next_id] = []
-            next_id += 1
-        chunks = []
-        for seq_id, todo in pending.items():
-            n = min(len(todo), rng.randrange(1, 7))
-            start = len(fed[seq_id])
-            for r in (eager, compiled):
-                blocks = r.block_manager
-                blocks.extend(seq_id, n) if seq_id in blocks else blocks.allocate(seq_id, n)
-            chunks.append(SequenceChunk(seq_id, tuple(todo[:n]), start, needs_logits=n == len(todo)))
-        if not chunks:
-            continue
-        batch = StepBatch.of(chunks)
-        buckets_seen.add(batch.num_tokens <= BUCKET)
-        want, got = eager.forward(batch), compiled.forward(batch)
-        assert torch.equal(want.argmax(-1), got.argmax(-1)), f"step {step}: greedy tokens differ"
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-        rows += want.shape[0]
-        for c in chunks:
-            fed[c.seq_id].extend(c.token_ids)
-            del pending[c.seq_id][: len(c.token_ids)]
-        for seq_id, token in zip(batch.logit_seq_ids, want.argmax(-1).tolist()):
-            if len(fed[seq_id]) > 40:
+    # Start-up compiled every graph a step needs: a recompile here would stall a request for seconds.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for step in range(240):
+            if len(pending) < 5 and rng.random() < 0.3:
+                pending[next_id] = [rng.randrange(129_280) for _ in range(rng.randrange(2, 20))]
+                fed[next_id] = []
+                next_id += 1
+            chunks = []
+            for seq_id, todo in pending.items():
+                n = min(len(todo), rng.randrange(1, 7))
+                start = len(fed[seq_id])
                 for r in (eager, compiled):
-                    r.block_manager.free(seq_id)
-                del pending[seq_id]
+                    blocks = r.block_manager
+                    blocks.extend(seq_id, n) if seq_id in blocks else blocks.allocate(seq_id, n)
+                chunks.append(SequenceChunk(seq_id, tuple(todo[:n]), start, needs_logits=n == len(todo)))
+            if not chunks:
                 continue
-            # Now and then a jump-forward run: the sampled token plus tokens the grammar forces.
-            forced = [rng.randrange(129_280) for _ in range(rng.randrange(1, 4))] if rng.random() < 0.2 else []
-            pending[seq_id] = [token, *forced]
-        pending = {s: t for s, t in pending.items() if t}
+            batch = StepBatch.of(chunks)
+            buckets_seen.add(batch.num_tokens <= BUCKET)
+            want, got = eager.forward(batch), compiled.forward(batch)
+            assert torch.equal(want.argmax(-1), got.argmax(-1)), f"step {step}: greedy tokens differ"
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            rows += want.shape[0]
+            for c in chunks:
+                fed[c.seq_id].extend(c.token_ids)
+                del pending[c.seq_id][: len(c.token_ids)]
+            for seq_id, token in zip(batch.logit_seq_ids, want.argmax(-1).tolist()):
+                if len(fed[seq_id]) > 40:
+                    for r in (eager, compiled):
+                        r.block_manager.free(seq_id)
+                    del pending[seq_id]
+                    continue
+                # Now and then a jump-forward run: the sampled token plus tokens the grammar forces.
+                forced = [rng.randrange(129_280) for _ in range(rng.randrange(1, 4))] if rng.random() < 0.2 else []
+                pending[seq_id] = [token, *forced]
+            pending = {s: t for s, t in pending.items() if t}
     assert rows > 200 and buckets_seen == {True, False}  # padded compiled steps and eager fallbacks both ran
 
 
