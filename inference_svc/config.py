@@ -40,6 +40,9 @@ class EngineConfig:
     schema_check_timeout_seconds: float = 5.0
     # Prompts longer than this (UTF-8 bytes) are refused before they are tokenized.
     max_prompt_bytes: int = 1 << 20
+    # The LM head over the allowed ids only, for steps whose every sampled row has a short allowed-id list
+    # (sparse_head.py; docs/benchmarks.md measures it).
+    sparse_head: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--schema-check-timeout-seconds", e.schema_check_timeout_seconds,
           "how long the last response of a finished json_schema output waits for its check against the schema "
           "(past it the response says SCHEMA_CHECK_UNCHECKED)")
+    f.add("--sparse-head", "on" if e.sparse_head else "off",
+          "on: a step whose every sampled row is constrained to a short allowed-id list computes the LM head at "
+          "those ids only, when the grammar answered before the model body finished (same distribution); off: "
+          "always the full head")
     f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
     f.add("--chat-template", None, "Jinja chat template file used for messages instead of the model's own",
           kind=Path)
@@ -219,6 +226,12 @@ def parse_buckets(raw: str) -> tuple[int, ...]:
     except ValueError:  # the operator's flag value
         raise SystemExit(f"invalid inference service configuration: --compile-buckets {raw}: use token counts "
                          "separated by commas, e.g. 1,8,32,128") from None
+
+
+def parse_on_off(flag: str, raw: str) -> bool:
+    if raw not in ("on", "off"):
+        raise SystemExit(f"invalid inference service configuration: {flag} {raw}: use on or off")
+    return raw == "on"
 
 
 def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
@@ -250,6 +263,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             compile_timeout_seconds=args.compile_timeout_seconds,
             schema_check_timeout_seconds=args.schema_check_timeout_seconds,
             max_prompt_bytes=args.max_prompt_bytes,
+            sparse_head=parse_on_off("--sparse-head", args.sparse_head),
         ),
         chat_template=Path(args.chat_template) if args.chat_template else None,
         model_family=args.model_family,

@@ -32,6 +32,7 @@ server, which turns NOT_SERVING and exits non-zero so it is replaced.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -51,6 +52,7 @@ from inference_svc.response_text import Piece, ResponseText
 from inference_svc.sampling import RowLogprobs, RowSampler, SamplingOptions, TokenLogprob, TopLogprob
 from inference_svc.schema_check import FinalChecks, wants_check
 from inference_svc.scheduler import ScheduledStep, Scheduler
+from inference_svc.sparse_head import head_ids
 from inference_svc.step_sampler import Drawn, RowPlan, StepSampler
 from shared import errors
 from shared.codec import words_for_vocab
@@ -122,6 +124,9 @@ class Engine:
         # Finished json_schema outputs wait here for their schema check, never in the step loop.
         self._checks = FinalChecks(grammar, metrics, config.schema_check_timeout_seconds) if grammar else None
         self._sampler = StepSampler(self.tok_vocab_size, tokenizer.eos_ids, self._bitmask_host, self._bitmask_dev)
+        # The body and the LM head as two calls, so a step's head can be computed at its allowed ids only
+        # (sparse_head.py); runners that cannot split (simulated, tensor-parallel) keep the one forward.
+        self._split_head = config.sparse_head and getattr(runner, "splits_head", False)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -356,17 +361,42 @@ class Engine:
         pending = None
         if self.grammar is not None and (rows or self.grammar.has_pending_closes()):
             pending = self.grammar.send(rows, self._bitmask_np)
-        logits, forward_done = await self._forward(step, pending)
-        results: dict[int, RowResult] = {}
-        if pending is not None:
-            answered = await self._receive(pending)
-            if rows:
-                self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
-                self.metrics.grammar_rpc_duration.observe(answered.rpc_seconds)
-            results = {g.row: r for g, r in zip(rows, answered.rows)}
-        plan = self._plan(sampled, results)
+        split = bool(rows) and self._split_head
+        logits, forward_done = await self._forward(step, pending, body_only=split)
+        plan = None
+        if split:
+            # `logits` holds the body's hidden states: the head waits for nothing, so unless the grammar has
+            # answered already it runs in full now (the answers keep arriving meanwhile, as they did).
+            hidden, path = logits, "full_late"
+            if pending.answered:
+                plan = self._plan(sampled, await self._answers(pending, rows, forward_done))
+                ids = head_ids(plan.sample, plan.masked, self.tok_vocab_size)
+                path = "full_needed" if ids is None else "sparse"
+            head = self.runner.head if path != "sparse" else functools.partial(self.runner.sparse_head, ids=ids)
+            try:
+                logits = await asyncio.get_running_loop().run_in_executor(self._executor, head, hidden)
+            except Exception:
+                if plan is None:
+                    # As in _forward: the answers' tasks write into the bitmask rows the next step reuses.
+                    await asyncio.gather(self._receive(pending), return_exceptions=True)
+                raise
+            if plan is None:
+                forward_done = time.perf_counter()  # the mask wait starts when the logits are there
+            self.metrics.lm_head_steps.labels(path).inc()
+        else:
+            self.metrics.lm_head_steps.labels("full").inc()
+        if plan is None:
+            plan = self._plan(sampled, await self._answers(pending, rows, forward_done) if pending else {})
         tokens = await self._sample(logits, plan, sampled)
         self._emit(sampled, plan, tokens)
+
+    async def _answers(self, pending: PendingStep, rows: list[GrammarRow], forward_done: float) -> dict[int, RowResult]:
+        """The grammar's answer per bitmask row, waiting at most the step deadline (see _receive)."""
+        answered = await self._receive(pending)
+        if rows:
+            self.metrics.mask_wait.observe(max(0.0, time.perf_counter() - forward_done))
+            self.metrics.grammar_rpc_duration.observe(answered.rpc_seconds)
+        return {g.row: r for g, r in zip(rows, answered.rows)}
 
     def _note_admissions(self, step: ScheduledStep) -> None:
         now = time.monotonic()
@@ -377,10 +407,13 @@ class Engine:
                 self.metrics.queue_time.observe(now - (req.grammar_ready_at or req.arrival))
                 self.metrics.prompt_tokens.inc(req.num_prompt)
 
-    async def _forward(self, step: ScheduledStep, pending: PendingStep | None) -> tuple[torch.Tensor, float]:
+    async def _forward(self, step: ScheduledStep, pending: PendingStep | None,
+                       body_only: bool = False) -> tuple[torch.Tensor, float]:
+        """The step's logits (body_only: the hidden states the LM head turns into them) and when they were done."""
         started = time.perf_counter()
+        run = self.runner.forward_body if body_only else self.runner.forward
         try:
-            logits = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.forward, step.batch)
+            logits = await asyncio.get_running_loop().run_in_executor(self._executor, run, step.batch)
         except Exception:
             if pending is not None:
                 # Its tasks write into the bitmask: let them finish before the next step reuses the rows.

@@ -145,6 +145,11 @@ class PendingStep:
         self._tasks = {replica: asyncio.ensure_future(tier._exchange(replica, part, bitmask))
                        for replica, part in parts.items()}
 
+    @property
+    def answered(self) -> bool:
+        """Every replica has answered (or failed): `receive` returns without waiting."""
+        return all(task.done() for task in self._tasks.values())
+
     async def receive(self, timeout: float | None = None) -> StepResults:
         """Every replica's answer; a replica that has not answered `timeout` seconds from now is lost."""
         out: list[RowResult | None] = [None] * self._num_rows

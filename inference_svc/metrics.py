@@ -99,6 +99,14 @@ class InferenceMetrics:
             "inference_svc_row_failures_total",
             "Requests failed alone by an error in the step loop (scheduling, sampling, decoding, no allowed token).",
             registry=r)
+        self.lm_head_steps = Counter(
+            "inference_svc_lm_head_steps_total",
+            "Steps by how their LM head ran: sparse (allowed ids only), full_late (the grammar had not answered "
+            "when the model body finished), full_needed (a sampled row needs the whole vocabulary, or the allowed "
+            "ids are too many), full (no split tried: no constrained row, --sparse-head off, or the model "
+            "does not split).", ["path"], registry=r)
+        for path in ("sparse", "full_late", "full_needed", "full"):
+            self.lm_head_steps.labels(path)
         self.preemptions = Counter(
             "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
         # Children resolved once (a labels() lookup per token is measurable on the hot path); this also

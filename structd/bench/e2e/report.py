@@ -99,6 +99,9 @@ def server_deltas(before: dict, after: dict, wall: float) -> dict:
                                                   "inference_svc_generation_tokens_total{constrained=false}"),
         "forced_tokens": _delta(before, after, "inference_svc_forced_tokens_total"),
         "preemptions": _delta(before, after, "inference_svc_preemptions_total"),
+        # How each step's LM head ran (--sparse-head): sparse, full_late, full_needed, full.
+        "lm_head_steps": {path: _delta(before, after, f"inference_svc_lm_head_steps_total{{path={path}}}")
+                          for path in ("sparse", "full_late", "full_needed", "full")},
     }
     if steps:
         # What one step costs beyond the forward and the mask wait: scheduling, sampling, streaming,
