@@ -37,19 +37,6 @@ CONTEXT_KWARG = "structd_paged_context"
 
 
 @dataclass(frozen=True)
-class SeqLayout:
-    """One sequence's place in a packed step."""
-
-    q_start: int  # first index of its new tokens in the packed row
-    query_len: int  # new tokens this step
-    context_len: int  # tokens already in the KV cache before this step
-
-    @property
-    def seq_len(self) -> int:
-        return self.context_len + self.query_len
-
-
-@dataclass(frozen=True)
 class DecodeGroup:
     """All single-token sequences of a step, attended in one padded SDPA call."""
 
@@ -85,57 +72,71 @@ class PagedAttentionContext:
     decodes: DecodeGroup | None
     chunks: tuple[ChunkPlan, ...]
 
+    positions: torch.Tensor  # [num_tokens] each new token's position in its sequence (the model's position_ids)
+
     @classmethod
     def build(
         cls,
         kv_cache: PagedKVCache,
-        layouts: Sequence[SeqLayout],
-        tables: Sequence[Sequence[int]],
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: torch.Tensor,
         device: torch.device,
     ) -> "PagedAttentionContext":
-        """Context for sequences laid out in `layouts` whose block tables are `tables`."""
+        """Context for sequences packed in order, sequence i with query_lens[i] new tokens after
+        context_lens[i] cached ones, its blocks in row i of block_tables (int64, padded with -1).
+
+        Per-token indices come from tensor ops over the whole step (a token's sequence by
+        repeat_interleave, its position and slot by gather); Python loops only over the
+        multi-token chunks, which attend one SDPA call each anyway.
+        """
         bs = kv_cache.spec.block_size
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.full((len(tables), max_blocks), -1, dtype=torch.long)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        num_seqs, max_blocks = block_tables.shape
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        ctx_lens = torch.tensor(context_lens, dtype=torch.long)
+        seq_lens = ctx_lens + q_lens
+        ends = q_lens.cumsum(0)
+        decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
+        if len(decode_ids) == num_seqs:
+            # All decodes (the common step): one token per sequence, at its context length.
+            positions = ctx_lens
+            slot_mapping = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        else:
+            # Per token: its sequence, and its position = context_len + offset within the sequence's chunk.
+            seq_of = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+            positions = torch.arange(seq_of.shape[0]) + (ctx_lens + q_lens - ends)[seq_of]
+            slot_mapping = block_tables[seq_of, positions // bs] * bs + positions % bs
+        query_start_loc = torch.cat((ends.new_zeros(1), ends))
 
-        def slots_of(i: int, start: int, stop: int) -> torch.Tensor:
-            pos = torch.arange(start, stop)
-            return block_tables[i, pos // bs] * bs + pos % bs
-
-        slot_mapping = torch.cat([slots_of(i, l.context_len, l.seq_len) for i, l in enumerate(layouts)])
-        starts = [0] + [l.q_start + l.query_len for l in layouts]
-        query_start_loc = torch.tensor(starts, dtype=torch.long)
-        seq_lens = torch.tensor([l.seq_len for l in layouts], dtype=torch.long)
-
-        decode_ids = [i for i, l in enumerate(layouts) if l.query_len == 1]
         decodes = None
         if decode_ids:
-            lens = seq_lens[decode_ids]
+            all_decode = len(decode_ids) == num_seqs
+            ids = torch.tensor(decode_ids)
+            lens = seq_lens if all_decode else seq_lens[ids]
             max_len = int(lens.max())
             pos = torch.arange(max_len)
             valid = pos[None, :] < lens[:, None]
             block_index = (pos // bs).clamp(max=max_blocks - 1).expand(len(decode_ids), -1)
-            blocks = block_tables[decode_ids].gather(1, block_index)
+            blocks = (block_tables if all_decode else block_tables[ids]).gather(1, block_index)
             slots = torch.where(valid, blocks * bs + pos % bs, 0)
             decodes = DecodeGroup(
-                token_index=torch.tensor([layouts[i].q_start for i in decode_ids], device=device),
+                token_index=ids.to(device) if all_decode else (ends[ids] - 1).to(device),
                 slots=slots.to(device),
                 mask=valid[:, None, None, :].to(device),
             )
 
         chunks = []
-        for i, l in enumerate(layouts):
-            if l.query_len == 1:
-                continue
-            if l.context_len == 0:
-                chunks.append(ChunkPlan(l.q_start, l.q_start + l.query_len, None, None))
-                continue
-            q_pos = torch.arange(l.context_len, l.seq_len)
-            mask = torch.arange(l.seq_len)[None, :] <= q_pos[:, None]
-            chunks.append(ChunkPlan(l.q_start, l.q_start + l.query_len, slots_of(i, 0, l.seq_len).to(device),
-                                    mask.to(device)))
+        q_start = 0
+        for i, (n, cached) in enumerate(zip(query_lens, context_lens)):
+            if n > 1 and cached == 0:
+                chunks.append(ChunkPlan(q_start, q_start + n, None, None))
+            elif n > 1:
+                seq_len = cached + n
+                pos = torch.arange(seq_len)
+                mask = pos[None, :] <= pos[cached:, None]
+                slots = block_tables[i, pos // bs] * bs + pos % bs
+                chunks.append(ChunkPlan(q_start, q_start + n, slots.to(device), mask.to(device)))
+            q_start += n
 
         return cls(
             kv_cache=kv_cache,
@@ -145,6 +146,7 @@ class PagedAttentionContext:
             block_tables=block_tables.to(device),
             decodes=decodes,
             chunks=tuple(chunks),
+            positions=positions.to(device),
         )
 
 

@@ -3,10 +3,13 @@
 Two layers, so that the scheduler's accounting does not depend on where the
 tensors live:
 
-- `BlockManager` (pure Python): which blocks each sequence owns and how many
-  token slots it has reserved. The scheduler asks it `can_allocate` before
-  admitting or extending a sequence (back-pressure / preemption), and every
-  runner has one, the simulated runner included.
+- `BlockManager`: which blocks each sequence owns and how many token slots it
+  has reserved. The scheduler asks it `can_allocate` before admitting or
+  extending a sequence (back-pressure / preemption), and every runner has
+  one, the simulated runner included. Beside the Python lists it keeps every
+  table as a row of one preallocated int32 tensor, updated where a table
+  changes (allocate, a new block on extend, truncate, free), so a step's
+  block tables are one row gather rather than a tensor built per sequence.
 - `PagedKVCache`: a `BlockManager` plus the key/value tensors, one pair per
   layer shaped [num_blocks, block_size, num_kv_heads, head_dim] (the layout
   paged attention kernels read). Token `p` of a sequence lives in slot
@@ -42,6 +45,7 @@ class OutOfBlocksError(RuntimeError):
 class _SeqBlocks:
     table: list[int]
     num_tokens: int  # token slots reserved (positions 0 .. num_tokens-1)
+    row: int  # its row of BlockManager._rows
 
 
 class BlockManager:
@@ -55,6 +59,10 @@ class BlockManager:
         # A stack: the most recently freed block is reused first (still warm in caches).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._seqs: dict[SeqId, _SeqBlocks] = {}
+        # Row r holds the table of the sequence given row r, padded with -1. Grown by doubling (rows as
+        # sequences arrive, columns as tables lengthen), so a step never allocates it.
+        self._rows = torch.full((8, 8), -1, dtype=torch.int32)
+        self._free_rows: list[int] = list(range(7, -1, -1))
 
     # --- queries -----------------------------------------------------------
 
@@ -78,6 +86,13 @@ class BlockManager:
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         return list(self._get(seq_id).table)
+
+    def block_tables(self, seq_ids: Sequence[SeqId]) -> torch.Tensor:
+        """int64 [len(seq_ids), longest table] of their block tables, padded with -1."""
+        seqs = [self._get(s) for s in seq_ids]
+        width = max(len(s.table) for s in seqs)
+        rows = torch.tensor([s.row for s in seqs], dtype=torch.long)
+        return self._rows[:, :width].index_select(0, rows).long()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -113,7 +128,9 @@ class BlockManager:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         needed = self.blocks_for(num_tokens)
         self._check_free(seq_id, needed)
-        self._seqs[seq_id] = _SeqBlocks(self._take(needed), num_tokens)
+        seq = _SeqBlocks(self._take(needed), num_tokens, self._take_row())
+        self._seqs[seq_id] = seq
+        self._write_row(seq, 0)
 
     def extend(self, seq_id: SeqId, num_new_tokens: int) -> None:
         """Reserves slots for num_new_tokens more tokens of an existing sequence."""
@@ -122,7 +139,10 @@ class BlockManager:
         seq = self._get(seq_id)
         needed = self.blocks_needed(seq_id, num_new_tokens)
         self._check_free(seq_id, needed)
-        seq.table.extend(self._take(needed))
+        if needed:
+            have = len(seq.table)
+            seq.table.extend(self._take(needed))
+            self._write_row(seq, have)
         seq.num_tokens += num_new_tokens
 
     def truncate(self, seq_id: SeqId, num_tokens: int) -> None:
@@ -132,6 +152,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r}: cannot truncate {seq.num_tokens} tokens to {num_tokens}")
         keep = self.blocks_for(num_tokens)
         self._give_back(seq.table[keep:])
+        self._rows[seq.row, keep : len(seq.table)] = -1
         del seq.table[keep:]
         seq.num_tokens = num_tokens
 
@@ -140,6 +161,8 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self._give_back(seq.table)
+            self._rows[seq.row, : len(seq.table)] = -1
+            self._free_rows.append(seq.row)
 
     # --- internals ---------------------------------------------------------
 
@@ -160,6 +183,28 @@ class BlockManager:
         del self._free[-n:]
         taken.reverse()
         return taken
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            rows = self._rows.shape[0]
+            self._grow(2 * rows, self._rows.shape[1])
+            self._free_rows.extend(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_row(self, seq: _SeqBlocks, start: int) -> None:
+        """Copies seq.table[start:] into its row."""
+        end = len(seq.table)
+        if end == start:
+            return
+        if end > self._rows.shape[1]:
+            self._grow(self._rows.shape[0], max(end, 2 * self._rows.shape[1]))
+        self._rows[seq.row, start:end] = torch.tensor(seq.table[start:], dtype=torch.int32)
+
+    def _grow(self, rows: int, cols: int) -> None:
+        grown = torch.full((rows, cols), -1, dtype=torch.int32)
+        old_rows, old_cols = self._rows.shape
+        grown[:old_rows, :old_cols] = self._rows
+        self._rows = grown
 
     def _give_back(self, blocks: Sequence[int]) -> None:
         # Reversed so that the sequence's first block is the next one handed out.

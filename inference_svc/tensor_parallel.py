@@ -126,7 +126,7 @@ class TensorParallelRunner:
 
         blocks = self.runner.block_manager
         validate_batch(batch, blocks)
-        tables = [blocks.block_table(c.seq_id) for c in batch.chunks]
+        tables = blocks.block_tables([c.seq_id for c in batch.chunks])
         dist.broadcast_object_list([(batch, tables)], src=0)
         return self.runner.forward_with_tables(batch, tables)
 
