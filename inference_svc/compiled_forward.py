@@ -128,8 +128,16 @@ def register_op_attention() -> str:
 
 def configure_cache(cache_dir: Path) -> None:
     """Points inductor's on-disk caches at cache_dir (read by inductor when it first compiles)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        writable = os.access(cache_dir, os.W_OK)
+    except OSError:  # the operator's filesystem, e.g. the image's read-only cache under a read-only root
+        writable = False
+    if writable:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    else:
+        log.warning("compile cache %s is not writable: inductor caches under its default (the temp dir); "
+                    "--compile-cache-dir picks another", cache_dir)
     import torch._inductor.config as inductor_config
 
     inductor_config.fx_graph_cache = True
