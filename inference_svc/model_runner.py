@@ -25,6 +25,7 @@ import torch
 from inference_svc.attention import CONTEXT_KWARG, PagedAttentionContext, register
 from inference_svc.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES
 from inference_svc.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
+from inference_svc.sparse_head import SparseHead
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class PagedModelRunner:
         # Slicing hidden states before the LM head avoids 129k-wide logits for
         # every prompt token; models whose forward lacks it get full logits, sliced after.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._head = _sparse_head_for(model)
 
     @classmethod
     def create(
@@ -147,10 +149,32 @@ class PagedModelRunner:
         validate_batch(batch, blocks)
         return self.forward_with_tables(batch, blocks.block_tables([c.seq_id for c in batch.chunks]))
 
+    @property
+    def splits_head(self) -> bool:
+        """Whether `forward_body` + `head` (or `sparse_head`) compute what `forward` does: the logits are the
+        output embedding of the body's last hidden states, with nothing after it (no softcapping, scaling)."""
+        return self._head is not None
+
+    def forward_body(self, batch: StepBatch) -> torch.Tensor:
+        """The body of `forward`: the final hidden states of the logit rows [rows, hidden]; `head` finishes it."""
+        blocks = self.kv_cache.blocks
+        validate_batch(batch, blocks)
+        return self.forward_with_tables(batch, blocks.block_tables([c.seq_id for c in batch.chunks]), head=False)
+
     @torch.inference_mode()
-    def forward_with_tables(self, batch: StepBatch, tables: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of `forward_body`'s rows: `forward`'s output, split in two."""
+        return self.model.get_output_embeddings()(hidden).float()
+
+    def sparse_head(self, hidden: torch.Tensor, ids) -> torch.Tensor:
+        """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere (see sparse_head.py)."""
+        return self._head.logits(hidden, ids)
+
+    @torch.inference_mode()
+    def forward_with_tables(self, batch: StepBatch, tables: torch.Tensor, head: bool = True) -> torch.Tensor:
         """The step with block tables given as BlockManager.block_tables returns them (tensor-parallel
-        workers get them from rank 0's scheduler)."""
+        workers get them from rank 0's scheduler); head=False: the logit rows' final hidden states
+        instead of their logits."""
         chunks = batch.chunks
         query_lens = [len(c.token_ids) for c in chunks]
         ctx = PagedAttentionContext.build(self.kv_cache, query_lens, [c.start_pos for c in chunks], tables,
@@ -162,6 +186,10 @@ class PagedModelRunner:
         last_index = [end - 1 for c, end in zip(chunks, accumulate(query_lens)) if c.needs_logits]
         keep = torch.tensor(last_index, dtype=torch.long, device=self._device)
         kwargs = {CONTEXT_KWARG: ctx}
+        if not head:
+            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                              use_cache=False, **kwargs).last_hidden_state[0]
+            return hidden.index_select(0, keep)
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
         logits = self.model(
@@ -170,3 +198,18 @@ class PagedModelRunner:
         if not self._logits_to_keep:
             logits = logits.index_select(0, keep)
         return logits.float()
+
+
+# Config attributes of models whose logits are more than the output embedding of the body's hidden states.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _sparse_head_for(model) -> SparseHead | None:
+    """A SparseHead over the model's output embedding, or None when its forward does more than that
+    (or its layout is not the usual body + lm_head), so the engine keeps to the full forward."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
+        return None
+    if any(getattr(model.config, name, None) not in (None, 1.0) for name in _LOGIT_POSTPROCESSING):
+        return None
+    return SparseHead(head.weight, head.bias, max_rows=64)
