@@ -96,6 +96,19 @@ def test_greedy_tokens_equal_eager_over_mixed_steps(runners):
     assert rows > 200 and buckets_seen == {True, False}  # padded compiled steps and eager fallbacks both ran
 
 
+def test_split_body_runs_compiled(runners):
+    """The engine's head-split path (forward_body, then the head) goes through the same compiled graphs."""
+    eager, compiled, _ = runners
+    for r in (eager, compiled):
+        r.block_manager.allocate("split", 5)
+    batch = StepBatch.of([SequenceChunk("split", (3, 1, 4, 1, 5), 0)])
+    with torch.compiler.set_stance("fail_on_recompile"):
+        want, got = eager.forward_body(batch), compiled.forward_body(batch)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for r in (eager, compiled):
+        r.block_manager.free("split")
+
+
 def test_padding_rows_write_no_kv(runners):
     """A padded step leaves every KV slot it was not given unchanged."""
     _, compiled, _ = runners
