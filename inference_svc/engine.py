@@ -16,6 +16,12 @@ One step, in order (the point of structd's design):
    per request (with logprobs where asked);
 6. emit: append, stream the deltas, finish what is done.
 
+With `--sparse-head on` and a runner that splits (the paged model), a step
+with constrained rows runs the model body alone in 3; if the grammar has
+answered by then, the step is planned first and, when every row to sample
+has a short allowed-id list, the LM head is computed at those ids only
+(sparse_head.py); otherwise the full head runs at once, as before.
+
 A jump-forward answer (forced tokens, already accepted by the grammar) makes
 that row's logits stale: the row is not sampled, the forced tokens join the
 request's uncomputed tail and are fed as one multi-token extend next step,
