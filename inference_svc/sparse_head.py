@@ -5,8 +5,8 @@ step whose every sampled row is constrained to a short allowed-id list (or
 forced, or finished) needs only those logits. `head_ids` decides from the
 step's plan whether it qualifies and returns the union of the rows' allowed
 ids; `SparseHead` computes the logits of just those columns (one gather of
-head-weight rows, one matmul: bitwise the values the full head gives there,
-since each logit is the same 256-long dot product) into a step-sized buffer
+head-weight rows, one matmul, padded to a multiple of 64 columns: bitwise the
+values the full head gives there) into a step-sized buffer
 that is -inf everywhere else. Downstream (penalties, masks, bans, the draw,
 logprobs) reads a constrained row only at its allowed ids (masking.py hands
 allowed-id lists to the sampler as candidates), so the distribution drawn
@@ -29,6 +29,11 @@ from shared.codec import SparseMask
 # Union of the step's allowed ids above which the full head is computed instead: at 8,192 columns the
 # gather + matmul costs about a quarter of the full head at one row (less at more rows).
 MAX_SPARSE_IDS = 8192
+
+# Columns computed in multiples of this: with MKL (torch's CPU BLAS here) a matmul over 1-3, 7, 9, 15, 17,
+# 31, 33, ... columns rounds some logits 1 ulp away from the full head's; over multiples of 64 it matched
+# the full head bitwise for every width and row count tried (tests/test_sparse_head.py pins it).
+COLUMN_QUANTUM = 64
 
 # (row, mask as it came: SparseMask or None when dense) per constrained row, as RowPlan.masked holds them.
 Masked = Sequence[tuple[int, SparseMask | None]]
@@ -88,8 +93,12 @@ class SparseHead:
         out = self._buffer[:rows]
         if ids.size:
             at = torch.from_numpy(ids).to(self.weight.device)
-            bias = self.bias.index_select(0, at) if self.bias is not None else None
-            values = torch.nn.functional.linear(hidden, self.weight.index_select(0, at), bias)
-            out.index_copy_(1, at, values.float())
+            # Padded to a multiple of COLUMN_QUANTUM columns (with id 0, dropped after): MKL computes a
+            # handful of columns with other kernels whose sums round differently (1 ulp) from the full head's.
+            pad = -ids.size % COLUMN_QUANTUM
+            cols = torch.cat([at, at.new_zeros(pad)]) if pad else at
+            bias = self.bias.index_select(0, cols) if self.bias is not None else None
+            values = torch.nn.functional.linear(hidden, self.weight.index_select(0, cols), bias)
+            out.index_copy_(1, at, values[:, :ids.size].float())
             self._written = at
         return out

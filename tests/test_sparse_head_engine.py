@@ -1,0 +1,60 @@
+"""The engine with the LM head at the allowed ids only gives the same outputs as with the full head.
+
+Two real inference servers on the embedded model behind the session's
+grammar server, one with --sparse-head on (the session's, the default) and
+one with it off; the same seeded constrained requests, one at a time (so
+every step has the same rows on both), must give the same tokens and the
+same logprobs, and the sparse one must have taken the sparse path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.inference_client import InferenceClient
+from tests.conftest import InferenceServerThread
+
+POINT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "kind": {"enum": ["cat", "dog", "bird"]},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 30}},
+         "required": ["name", "kind", "age"]}
+
+
+@pytest.fixture(scope="module")
+def full_head_client(grammar_server, inference_server):
+    from dataclasses import replace
+
+    base = inference_server.server.config
+    cfg = replace(base, engine=replace(base.engine, sparse_head=False))
+    srv = InferenceServerThread(cfg)
+    client = InferenceClient(srv.target)
+    yield client
+    client.close()
+    srv.stop()
+
+
+def sparse_steps(server) -> float:
+    return server.server.metrics.lm_head_steps.labels("sparse")._value.get()
+
+
+CASES = [
+    pytest.param(dict(json_schema=POINT, temperature=1.0, seed=3, top_logprobs=5), id="json-sampled-logprobs"),
+    pytest.param(dict(json_schema=POINT, temperature=0.7, top_p=0.9, seed=11, disable_jump_forward=True),
+                 id="json-top_p-no-jump-forward"),
+    pytest.param(dict(regex=r"(yes|no|maybe)( because [a-z]{1,6})?", temperature=1.2, seed=5, logprobs=True),
+                 id="regex"),
+    pytest.param(dict(choice=["alpha", "beta", "gamma delta"], seed=2, temperature=1.0, top_logprobs=3),
+                 id="choice"),
+    pytest.param(dict(json_schema=POINT, repetition_penalty=1.3, min_tokens=3, top_logprobs=2), id="json-greedy"),
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES)
+def test_sparse_and_full_head_give_the_same_output(inference_server, inference_client, full_head_client, kwargs):
+    before = sparse_steps(inference_server)
+    want = full_head_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
+    got = inference_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
+    assert got.finish_reason == want.finish_reason
+    assert sparse_steps(inference_server) > before, "no step of the request took the sparse head"
