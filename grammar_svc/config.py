@@ -33,6 +33,10 @@ class GrammarServiceConfig:
     # Helper threads for the rows whose last fill was slow (bounded strings); the rest of a step's rows are
     # filled in a loop on the step's own thread (mask_filler.py says why).
     fill_threads: int = max(1, os.cpu_count() or 2)
+    # A row on a helper thread gets this long to fill; past it that session fails alone and the step
+    # answers without it (below the inference service's --grammar-step-timeout-seconds, 2 s by default,
+    # so one slow grammar does not cost the replica its stream and every other request with it).
+    max_row_fill_seconds: float = 1.0
     cache_bytes: int = 1 << 30
     max_spec_bytes: int = 1 << 20
     max_sessions: int = 4096
@@ -79,6 +83,8 @@ class GrammarServiceConfig:
             problems.append("--compile-timeout-cache-seconds must not be negative")
         if self.fill_threads < 1:
             problems.append("--fill-threads must be at least 1")
+        if not self.max_row_fill_seconds > 0:
+            problems.append("--max-row-fill-seconds must be positive")
         if self.compile_timeout_seconds <= 0:
             problems.append("--compile-timeout-seconds must be positive")
         if self.max_sessions < 1:
@@ -118,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--compile-timeout-cache-seconds", d.compile_timeout_cache_seconds,
           "how long a compile timeout is answered from the cache")
     f.add("--fill-threads", d.fill_threads, "helper threads for rows whose last mask fill was slow")
+    f.add("--max-row-fill-seconds", d.max_row_fill_seconds,
+          "a row's mask fill past this fails its session alone (keep it below the inference service's "
+          "--grammar-step-timeout-seconds)")
     f.add("--cache-bytes", d.cache_bytes)
     f.add("--max-spec-bytes", d.max_spec_bytes)
     f.add("--max-sessions", d.max_sessions)
@@ -154,6 +163,7 @@ def from_args(args: argparse.Namespace) -> GrammarServiceConfig:
         max_compile_timeout_seconds=args.max_compile_timeout_seconds,
         compile_timeout_cache_seconds=args.compile_timeout_cache_seconds,
         fill_threads=args.fill_threads,
+        max_row_fill_seconds=args.max_row_fill_seconds,
         cache_bytes=args.cache_bytes,
         max_spec_bytes=args.max_spec_bytes,
         max_sessions=args.max_sessions,

@@ -6,7 +6,16 @@ BatchGrammarMatcher with 2 threads took 7x longer than a plain loop for 32
 cheap rows). Rows are therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
-(xgrammar releases the GIL while filling). Every row is timed for the
+(xgrammar releases the GIL while filling). A session's first fill goes
+there too: nothing is known of it yet, and a replayed session starts deep
+in its document.
+
+A fill cannot be interrupted, and a few grammar states take seconds (a
+long `pattern` string in a large schema). Rows on helper threads fill into
+buffers of their own and are waited for at most --max-row-fill-seconds: a
+row past it comes back late (its session fails alone, RESOURCE_EXHAUSTED),
+the step answers on time for everyone else, and the stuck thread is left to
+finish into its own buffer while a fresh pool takes the next steps. Every row is timed for the
 mask-fill histogram; rows the client has cached or that repeat an earlier
 row of the step are not encoded at all, and rows encoded recently are not
 encoded again (_EncodeMemo).
@@ -15,8 +24,11 @@ encoded again (_EncodeMemo).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 import numpy as np
 import xgrammar as xgr
@@ -60,6 +72,13 @@ class _EncodeMemo:
         return enc
 
 
+def _fill_alone(session: GrammarSession, vocab_size: int):
+    """One row filled into a bitmask of its own: a late fill must not write into a buffer a later step uses."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    session.fill(bitmask, 0)
+    return bitmask
+
+
 class _Buffers(threading.local):
     """Per-thread batch bitmasks (torch, as xgrammar wants) and their numpy views."""
 
@@ -73,13 +92,32 @@ class _Buffers(threading.local):
         return pair
 
 
+@dataclass(frozen=True, slots=True)
+class LateRow:
+    """A row whose fill outlived the step's budget (still running on its abandoned thread)."""
+
+    index: int
+    session: GrammarSession
+    waited_seconds: float
+
+
 class MaskFiller:
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, max_row_fill_seconds: float = 1.0):
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="structd-fill")
+        self.max_row_fill_seconds = max_row_fill_seconds
+        self._pool = self._new_pool()
         self._encoders: dict[int, MaskEncoder] = {}
         self._buffers = _Buffers()
         self._memo = _EncodeMemo(ENCODE_MEMO_ENTRIES)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="structd-fill")
+
+    def _submit(self, session: GrammarSession, vocab_size: int):
+        try:
+            return self._pool.submit(_fill_alone, session, vocab_size)
+        except RuntimeError:  # another stream's late row has just retired this pool: take the new one
+            return self._pool.submit(_fill_alone, session, vocab_size)
 
     def encoder(self, vocab_size: int) -> MaskEncoder:
         enc = self._encoders.get(vocab_size)
@@ -87,32 +125,46 @@ class MaskFiller:
             enc = self._encoders.setdefault(vocab_size, MaskEncoder(vocab_size))
         return enc
 
-    def fill(self, rows: list[tuple[int, GrammarSession]], cache: StreamMaskCache | None = None) -> list[FilledRow]:
+    def fill(self, rows: list[tuple[int, GrammarSession]],
+             cache: StreamMaskCache | None = None) -> tuple[list[FilledRow], list[LateRow]]:
         """(result index, session) pairs -> their filled rows, in input order (a row the client has
-        cached is not encoded)."""
+        cached is not encoded), and the rows that did not fill within --max-row-fill-seconds."""
         if not rows:
-            return []
+            return [], []
         vocab = rows[0][1].vocab_size
         if any(s.vocab_size != vocab for _, s in rows):
             # Sessions of several tokenizers on one stream: one pass per vocabulary.
             by_vocab: dict[int, list] = {}
             for r in rows:
                 by_vocab.setdefault(r[1].vocab_size, []).append(r)
-            out = [x for group in by_vocab.values() for x in self.fill(group, cache)]
+            out, late = [], []
+            for group in by_vocab.values():
+                filled, group_late = self.fill(group, cache)
+                out += filled
+                late += group_late
             out.sort(key=lambda r: r.index)
-            return out
+            return out, late
         encoder = self.encoder(vocab)
         tensor, array = self._buffers.get(vocab, len(rows))
-        slow = [self._pool.submit(s.fill, tensor, pos)
-                for pos, (_, s) in enumerate(rows) if s.last_fill_seconds > SLOW_ROW_SECONDS]
-        if slow:
-            fast = [(pos, s) for pos, (_, s) in enumerate(rows) if s.last_fill_seconds <= SLOW_ROW_SECONDS]
-        else:
-            fast = [(pos, s) for pos, (_, s) in enumerate(rows)]
-        for pos, s in fast:
-            s.fill(tensor, pos)
-        for f in slow:
-            f.result()
+        start = time.perf_counter()
+        threaded = {pos: self._submit(s, vocab) for pos, (_, s) in enumerate(rows)
+                    if s.never_filled or s.last_fill_seconds > SLOW_ROW_SECONDS}
+        for pos, (_, s) in enumerate(rows):
+            if pos not in threaded:
+                s.fill(tensor, pos)
+        late_pos: set[int] = set()
+        late: list[LateRow] = []
+        for pos, future in threaded.items():
+            budget = self.max_row_fill_seconds - (time.perf_counter() - start)
+            try:
+                tensor[pos].copy_(future.result(timeout=max(0.0, budget))[0])
+            except FutureTimeout:  # this session's grammar state: its fill outlived the step's budget
+                late_pos.add(pos)
+                late.append(LateRow(rows[pos][0], rows[pos][1], time.perf_counter() - start))
+        if late:
+            # The stuck threads keep their pool busy until their fills end: new steps get a new pool.
+            stuck, self._pool = self._pool, self._new_pool()
+            stuck.shutdown(wait=False)
         words = array[: len(rows)].view(np.uint32)
         if encoder.padding:
             # Padding bits sit in the last word only: cleared in place (this thread's buffer, refilled
@@ -121,6 +173,8 @@ class MaskFiller:
         out = []
         seen: set[bytes] = set()
         for pos, (index, session) in enumerate(rows):
+            if pos in late_pos:
+                continue
             row = words[pos]
             key = row.tobytes()
             # A row equal to an earlier one of this step goes out as a same_as reference
@@ -132,7 +186,7 @@ class MaskFiller:
                 seen.add(key)
                 enc = self._memo.encode(key, row, encoder)
             out.append(FilledRow(index, key, enc, encoder, session.last_fill_seconds))
-        return out
+        return out, late
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

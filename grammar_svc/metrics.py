@@ -101,5 +101,6 @@ class GrammarMetrics:
             "Unused tokenizers evicted (least recently used first) to register another.", registry=r)
         self.session_events = Counter(
             "grammar_svc_session_events_total",
-            "Session lifecycle events (opened, closed, expired, stream_ended, rejected, terminated, error).",
+            "Session lifecycle events (opened, closed, expired, stream_ended, rejected, terminated, error, "
+            "fill_timeout).",
             ["event"], registry=r)

@@ -42,7 +42,7 @@ class GrammarServer(Hosted):
             compile_lane_after_seconds=config.compile_lane_after_seconds, metrics=self.metrics,
             max_tokenizers=config.max_tokenizers, max_compiles_per_caller=config.max_compiles_per_caller,
             tokenizers_in_sessions=self.limiter.fingerprints_in_use)
-        self.filler = MaskFiller(config.fill_threads)
+        self.filler = MaskFiller(config.fill_threads, config.max_row_fill_seconds)
         self.checks = OutputChecks(self.backend, self.metrics, config.check_workers)
         self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
                                         config.max_tokens_per_step, config.max_mask_cache_slots, self.checks)

@@ -86,5 +86,10 @@ class GrammarSession:
         self.last_fill_seconds = time.perf_counter() - start
 
     @property
+    def never_filled(self) -> bool:
+        # Every fill sets last_fill_seconds, and none takes exactly 0 s.
+        return self.last_fill_seconds == 0.0
+
+    @property
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -2,8 +2,10 @@
 
 For each session, in message order: open, rollback, accept, jump-forward;
 then every row that wants a mask is filled (in a loop; rows that were slow
-last time on helper threads, see mask_filler.py) and encoded; then closes. Failures are per session (a SessionOutcome with an error), never per
-step, so one bad request cannot fail the batch.
+last time on helper threads, see mask_filler.py) and encoded; then closes.
+Failures are per session (a SessionOutcome with an error), never per step,
+so one bad request cannot fail the batch: a row whose fill outlives
+--max-row-fill-seconds fails its session and the step answers without it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from grammar_svc.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.sessions import StreamSessions
 from shared.codec import EncodedMask, StreamMaskCache, assign_wire_forms
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, LimitExceededError
 
 
 # Steps whose rows are expected to fill faster than this run on the calling (event loop) thread:
@@ -100,9 +102,20 @@ class Stepper:
         with self.sessions.lock:
             results, to_fill, to_close = self._advance(ops)
             fill_start = time.perf_counter()
-            filled = self.filler.fill(to_fill, self.mask_cache)
+            filled, late = self.filler.fill(to_fill, self.mask_cache)
             fill_seconds = time.perf_counter() - fill_start
             masks = assign_wire_forms(filled, self.mask_cache)
+            for row in late:
+                # That session's grammar alone: it fails, the step answers on time for the others.
+                out = results[row.index]
+                out.status = Status.ERROR
+                out.error = LimitExceededError(
+                    f"this grammar's token mask took longer than {self.filler.max_row_fill_seconds:g} s to "
+                    "compute at this point of the output (--max-row-fill-seconds), so its session was closed; "
+                    "simplify the constraint (long pattern or length-bounded strings in a large schema are "
+                    "the usual cause)")
+                self.metrics.session_events.labels("fill_timeout").inc()
+                to_close.append(out.session_id)
             for sid in to_close:
                 self.sessions.close(sid)
         for row, enc in zip(filled, masks):

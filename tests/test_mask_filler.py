@@ -51,7 +51,8 @@ def test_rows_are_canonical_and_repeats_are_same_as(entries, cached):
     try:
         for step in range(2):  # the second time, the cached rows come back as slots
             _dirty_buffers(filler, vocab)
-            filled = filler.fill(list(enumerate(sessions)), cache)
+            filled, late = filler.fill(list(enumerate(sessions)), cache)
+            assert late == []
             wire = assign_wire_forms(filled, cache)
             out = np.zeros((len(sessions), words_for_vocab(vocab)), dtype=np.int32)
             decoded: list = []

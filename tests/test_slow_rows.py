@@ -1,0 +1,122 @@
+"""A grammar whose mask takes too long fails its own session, never the step (--max-row-fill-seconds).
+
+xgrammar cannot interrupt a fill, and a few grammar states take seconds; a
+step waiting for one would miss the inference service's step deadline and
+cost the replica its stream, and every other request on it. Rows on helper
+threads (a session's first fill, and every row that was slow before) get the
+budget; one past it comes back late, its session fails RESOURCE_EXHAUSTED and
+is closed, and the step answers for the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_svc import config as gconfig
+from grammar_svc.cache import CompiledEntry
+from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.session import GrammarSession
+from grammar_svc.tokenizer_registry import RegisteredTokenizer
+from shared.codec import MaskEncoder
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.grammar_client import GrammarClient
+from structd.cli import build_parser
+from tests.conftest import start_grammar_server
+from tests.test_grammar_limits import TinyTokenizer, compile_regex, open_step, register
+from tests.test_grammar_rpcs import call as with_client
+from tests.test_grammar_rpcs import end_stream
+
+VOCAB = [chr(ord("a") + i) for i in range(26)] + ["</s>"]
+
+
+@pytest.fixture(scope="module")
+def entries():
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[len(VOCAB) - 1])
+    tok = RegisteredTokenizer("test-slow-rows", info.serialize_json(), info, len(VOCAB), None,
+                              tuple(t.encode() for t in VOCAB))
+    compiler = xgr.GrammarCompiler(info)
+    return {name: CompiledEntry(name, compiler.compile_regex(regex), tok, (), 0.0, 0)
+            for name, regex in (("letters", "[a-z]+"), ("abc", "[abc]{2,4}"))}
+
+
+def stuck(filler: MaskFiller) -> threading.Event:
+    """The filler's one helper thread held by an earlier fill that has not ended (set the event to end it)."""
+    release = threading.Event()
+    filler._pool.submit(release.wait, 60)
+    return release
+
+
+def test_a_row_past_the_budget_is_late_and_the_others_are_filled(entries):
+    filler = MaskFiller(threads=1, max_row_fill_seconds=0.2)
+    fast, slow = GrammarSession(1, entries["letters"]), GrammarSession(2, entries["abc"])
+    # Routing follows each session's history: the fast one fills in the step's loop (no budget), the one
+    # that was slow goes to a helper thread, here still busy with an earlier fill past the budget.
+    fast.last_fill_seconds, slow.last_fill_seconds = 1e-6, 1.0
+    release = stuck(filler)
+    try:
+        filled, late = filler.fill([(0, fast), (1, slow)])
+        assert [row.index for row in filled] == [0]
+        assert [(row.index, row.session) for row in late] == [(1, slow)]
+        expected = xgr.allocate_token_bitmask(1, len(VOCAB))
+        fast.matcher.fill_next_token_bitmask(expected, 0)
+        assert filled[0].key == MaskEncoder(len(VOCAB)).canonical(expected.numpy()[0]).tobytes()
+        # The stuck thread's pool is retired: the next step, with a budget, fills both on a fresh one.
+        filler.max_row_fill_seconds = 60.0
+        filled, late = filler.fill([(0, fast), (1, slow)])
+        assert late == [] and [row.index for row in filled] == [0, 1]
+        assert np.frombuffer(filled[1].key, dtype=np.uint32).any()
+    finally:
+        release.set()
+        filler.close()
+
+
+@pytest.fixture(scope="module")
+def impatient_server():
+    srv = start_grammar_server(compile_workers=1, fill_threads=1, max_row_fill_seconds=0.2)
+    yield srv
+    srv.stop()
+
+
+def test_a_late_row_fails_its_session_alone_through_the_server(impatient_server):
+    tok = TinyTokenizer()
+    register(impatient_server.target, tok)
+    gid = compile_regex(impatient_server.target, tok).grammar_id
+    release = stuck(impatient_server.server.filler)
+
+    async def go(client: GrammarClient):
+        stream = client.open_stream(tok.vocab_size, 0)
+        # Session 1 opens without a mask; session 2's first fill (on a helper thread) is late.
+        first = await stream.step([open_step(1, gid),
+                                   pb.SessionStep(session_id=2, open=pb.OpenSession(grammar_id=gid))])
+        # The late session is gone; the stream and session 1 go on.
+        after = await stream.step([pb.SessionStep(session_id=2, accept_token_ids=[0]),
+                                   pb.SessionStep(session_id=1, accept_token_ids=[0], skip_mask=True)])
+        await end_stream(stream)
+        return first, after
+
+    try:
+        first, after = with_client(impatient_server.target, go)
+    finally:
+        release.set()
+    ok, late = first.results
+    assert ok.status == pb.SESSION_STATUS_OK
+    assert late.status == pb.SESSION_STATUS_ERROR
+    assert late.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "--max-row-fill-seconds" in late.error_message
+    gone, alive = after.results
+    assert gone.status == pb.SESSION_STATUS_ERROR and alive.status == pb.SESSION_STATUS_OK
+    registry = impatient_server.server.metrics.registry
+    assert registry.get_sample_value("grammar_svc_session_events_total", {"event": "fill_timeout"}) == 1.0
+
+
+def test_the_budget_is_a_flag_with_an_env_twin_and_must_be_positive():
+    cfg = gconfig.from_args(build_parser({"STRUCTD_GRAMMAR_MAX_ROW_FILL_SECONDS": "0.5"}).parse_args(["grammar"]))
+    assert cfg.max_row_fill_seconds == 0.5
+    with pytest.raises(SystemExit) as exit_:
+        gconfig.from_args(build_parser({}).parse_args(["grammar", "--max-row-fill-seconds", "0"]))
+    assert "--max-row-fill-seconds" in str(exit_.value)
