@@ -267,6 +267,9 @@ def run_all(args, rows: list[dict]) -> list[dict]:
 
     from shared.tokenizer import default_description
 
+    # Imported before the children fork: every schema runs the code the run started with.
+    import grammar_svc.json_grammar  # noqa: F401
+
     info = xgr.TokenizerInfo.deserialize_json(default_description().info_json)
     vocab = [bytes(t) for t in info.decoded_vocab]
     if args.reference == REFERENCE:
