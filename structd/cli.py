@@ -98,6 +98,14 @@ BENCHMARKS = [
      "Each schema compiled both ways (xgrammar + tail form before, structd's JSON grammar after) in alternating "
      "order, then both matchers filled at every position of one seeded walk, alternating: compile and per-row fill "
      "ratios measured in one process."),
+    ("compiled-body", "structd.bench.compiled_body",
+     "compiled-body: the compiled model body (--compile) vs the eager one, interleaved",
+     "The embedded model's forward at decode N = 1, 5, 8, 32 and a 128-token prefill, eager and each compile mode "
+     "alternating rep by rep in one process: medians, eager/compiled ratios and greedy agreement."),
+    ("step-context", "structd.bench.step_context",
+     "step-context: host time to build a step's inputs and attention context, old builder vs current",
+     "The builder of --old-rev (loaded from git) and the working tree's on the same batches, alternating call by "
+     "call in one process: medians in microseconds and new/old ratios."),
 ]
 
 

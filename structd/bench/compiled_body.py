@@ -1,38 +1,48 @@
-"""The compiled model body (--compile) against the eager one, in one process, interleaved.
+"""`structd bench compiled-body`: the compiled model body (--compile) against the eager one, in one process, interleaved.
 
-Loads the embedded model once per variant (eager, and each --compile mode
-asked for), gives each runner the same 32 sequences of 64 cached tokens, then
-times `PagedModelRunner.forward` at decode N = 1, 5 (padded to 8), 8 and 32
-and a 128-token prefill, the variants alternating rep by rep so machine noise
-hits them alike. With --small-head the 129k-wide LM head (identical in every
-variant, and most of a CPU step) is replaced by a 16-wide one, so the times
-are the body's. Prints medians and eager/compiled ratios, and the greedy
-agreement of each variant with eager.
-
-    .venv/bin/python -m structd.bench.compiled_body --threads 1 [--small-head] [--modes default,max-autotune]
+Loads the embedded model once per variant (eager, and each --modes compile
+mode; `--modes ''`: eager only), gives each runner the same 32 sequences of
+64 cached tokens, then times `PagedModelRunner.forward` at decode N = 1, 5
+(padded to 8), 8 and 32 and a 128-token prefill, the variants alternating
+rep by rep so machine noise hits them alike. With --small-head the 129k-wide
+LM head (identical in every variant, and most of a CPU step) is replaced by
+a 16-wide one, so the times are the body's. Reports medians per step and
+variant, eager/variant ratios, and whether each variant's greedy tokens equal
+eager's; writes <out>/compiled-body.json and .png. Compiling is cold the
+first time (minutes for the default buckets on CPU), cached after.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+
+from structd.bench.harness import result_header
 
 CONTEXT = 64
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="default", help="compile modes, comma-separated")
-    parser.add_argument("--buckets", default="1,8,32,128")
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--small-head", action="store_true", help="time the body: a 16-wide LM head")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="inductor cache (default: --compile's)")
-    args = parser.parse_args(argv)
+def progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("bench-results/compiled-body"))
+    p.add_argument("--modes", default="default", help="compile modes, comma-separated ('': eager only)")
+    p.add_argument("--buckets", default="1,8,32,128", help="token buckets compiled, comma-separated")
+    p.add_argument("--reps", type=int, default=40, help="timed calls per step and variant")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--small-head", action="store_true", help="time the body: a 16-wide LM head")
+    p.add_argument("--cache-dir", type=Path, default=None, help="inductor cache (default: --compile's)")
+
+
+def measure(args) -> list[dict]:
+    """Medians per step and variant, interleaved rep by rep, with each variant's greedy agreement."""
     import torch
 
     from inference_svc.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         r = PagedModelRunner.create(model, num_blocks=512)
         if mode != "eager":
             settings = CompileSettings(mode, buckets, args.cache_dir or default_compile_cache_dir())
-            CompiledBody.install(model, settings, progress=print)
+            CompiledBody.install(model, settings, progress=progress)
         if args.small_head:
             model.lm_head = small_head
         for i in range(32):
@@ -58,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             r.forward(StepBatch.of([SequenceChunk(i, tuple(range(100 + i, 100 + i + CONTEXT)), 0)]))
         return r
 
-    runners = {mode: runner(mode) for mode in ("eager", *args.modes.split(","))}
+    modes = [m for m in args.modes.split(",") if m]
+    runners = {mode: runner(mode) for mode in ("eager", *modes)}
 
     def decode(r: PagedModelRunner, n: int) -> torch.Tensor:
         for i in range(n):
@@ -76,22 +87,68 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = {"decode N=1": lambda r: decode(r, 1), "decode N=5 (pads to 8)": lambda r: decode(r, 5),
              "decode N=8": lambda r: decode(r, 8), "decode N=32": lambda r: decode(r, 32), "prefill 128": prefill}
-    print(f"threads {args.threads}, head {'16' if args.small_head else '129,280'} wide, load {os.getloadavg()}")
+    rows = []
     for name, case in cases.items():
         want = case(runners["eager"]).argmax(-1)
-        same = all(torch.equal(case(r).argmax(-1), want) for r in runners.values())
+        greedy_equal = {mode: torch.equal(case(r).argmax(-1), want) for mode, r in runners.items()}
         times: dict[str, list[float]] = {mode: [] for mode in runners}
         for _ in range(args.reps):
             for mode, r in runners.items():
                 started = time.perf_counter()
                 case(r)
                 times[mode].append(time.perf_counter() - started)
-        med = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
-        cells = "  ".join(f"{mode} {ms:6.2f} ms ({med['eager'] / ms:.2f}x)" for mode, ms in med.items())
-        print(f"{name:24s} {cells}  greedy equal: {same}")
-    print(f"load {os.getloadavg()}")
+        med = {mode: round(statistics.median(t) * 1e3, 3) for mode, t in times.items()}
+        rows.append({"step": name, "median_ms": med,
+                     "eager_over": {mode: round(med["eager"] / ms, 3) for mode, ms in med.items()},
+                     "greedy_equal": greedy_equal})
+        progress(f"{name}: " + ", ".join(f"{m} {ms:.2f} ms" for m, ms in med.items()))
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(rows[0]["median_ms"])
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for k, mode in enumerate(modes):
+        ax.bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(rows))],
+               [r["median_ms"][mode] for r in rows], width=width, label=mode)
+    ax.set_xticks(range(len(rows)), [r["step"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("median ms per forward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(args) -> int:
+    from structd.bench.grammar.report import machine
+
+    if args.reps < 1:
+        print("--reps must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        [int(b) for b in args.buckets.split(",")]
+    except ValueError:  # the user's --buckets
+        print(f"--buckets must be comma-separated token counts, got {args.buckets!r}", file=sys.stderr)
+        return 2
+    started = time.time()
+    progress(f"threads {args.threads}, head {'16' if args.small_head else '129,280'} wide, "
+             f"variants eager{''.join(',' + m for m in args.modes.split(',') if m)}")
+    rows = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
+              "wall_seconds": round(time.time() - started, 1), "steps": rows}
+    (args.out / "compiled-body.json").write_text(json.dumps(result, indent=1))
+    plot(rows, args.out / "compiled-body.png")
+    modes = list(rows[0]["median_ms"])
+    print("| step | " + " | ".join(f"{m} ms (eager/{m})" for m in modes) + " | greedy equal |")
+    print("|---|" + "---|" * len(modes) + "---|")
+    for r in rows:
+        cells = " | ".join(f"{r['median_ms'][m]:.2f} ({r['eager_over'][m]:.2f}x)" for m in modes)
+        print(f"| {r['step']} | {cells} | {all(r['greedy_equal'].values())} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
