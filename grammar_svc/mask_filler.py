@@ -12,10 +12,11 @@ in its document.
 
 A fill cannot be interrupted, and a few grammar states take seconds (a
 long `pattern` string in a large schema). Rows on helper threads fill into
-buffers of their own and are waited for at most --max-row-fill-seconds: a
-row past it comes back late (its session fails alone, RESOURCE_EXHAUSTED),
-the step answers on time for everyone else, and the stuck thread is left to
-finish into its own buffer while a fresh pool takes the next steps. Every row is timed for the
+buffers of their own, and one that has been filling for longer than
+--max-row-fill-seconds (counted from its own start) comes back late: its
+session fails alone (RESOURCE_EXHAUSTED), the step answers for everyone
+else, and the stuck thread is left to finish into its own buffer while a
+fresh pool takes the rows queued behind it and the next steps. Every row is timed for the
 mask-fill histogram; rows the client has cached or that repeat an earlier
 row of the step are not encoded at all, and rows encoded recently are not
 encoded again (_EncodeMemo).
@@ -26,8 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,11 +72,23 @@ class _EncodeMemo:
         return enc
 
 
-def _fill_alone(session: GrammarSession, vocab_size: int):
-    """One row filled into a bitmask of its own: a late fill must not write into a buffer a later step uses."""
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    session.fill(bitmask, 0)
-    return bitmask
+class _ThreadedRow:
+    """One row filled on a helper thread into a bitmask of its own (a late fill must not write into a buffer
+    a later step uses), with the time its fill started."""
+
+    __slots__ = ("session", "vocab_size", "started", "future")
+
+    def __init__(self, session: GrammarSession, vocab_size: int):
+        self.session = session
+        self.vocab_size = vocab_size
+        self.started: float | None = None
+        self.future = None
+
+    def run(self):
+        self.started = time.perf_counter()
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.session.fill(bitmask, 0)
+        return bitmask
 
 
 class _Buffers(threading.local):
@@ -98,7 +110,8 @@ class LateRow:
 
     index: int
     session: GrammarSession
-    waited_seconds: float
+    fill_seconds: float  # how long it had been filling when it was given up
+    position: int  # its place among the rows passed to fill()
 
 
 class MaskFiller:
@@ -113,11 +126,46 @@ class MaskFiller:
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="structd-fill")
 
-    def _submit(self, session: GrammarSession, vocab_size: int):
+    def _submit(self, session: GrammarSession, vocab_size: int) -> _ThreadedRow:
+        row = _ThreadedRow(session, vocab_size)
         try:
-            return self._pool.submit(_fill_alone, session, vocab_size)
+            row.future = self._pool.submit(row.run)
         except RuntimeError:  # another stream's late row has just retired this pool: take the new one
-            return self._pool.submit(_fill_alone, session, vocab_size)
+            row.future = self._pool.submit(row.run)
+        return row
+
+    def _collect(self, threaded: dict[int, _ThreadedRow], rows, tensor) -> list[LateRow]:
+        """Copies the threaded rows into the step's buffer as they finish; a row that has been filling
+        for longer than the budget (counted from its own start: a row queued behind others is not late)
+        is given up, and the rows queued behind it move to a fresh pool."""
+        late: list[LateRow] = []
+        pending = dict(threaded)
+        budget = self.max_row_fill_seconds
+        while pending:
+            now = time.perf_counter()
+            running = [r.started for r in pending.values() if r.started is not None]
+            timeout = max(1e-3, min(running) + budget - now) if running else budget
+            wait([r.future for r in pending.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+            now = time.perf_counter()
+            stuck = []
+            for pos, r in list(pending.items()):
+                if r.future.done():
+                    tensor[pos].copy_(r.future.result()[0])
+                    del pending[pos]
+                elif r.started is not None and now - r.started > budget:
+                    # This session's grammar state: its fill outlived the budget (it cannot be stopped).
+                    stuck.append(pos)
+            if stuck:
+                for pos in stuck:
+                    late.append(LateRow(rows[pos][0], rows[pos][1], now - pending.pop(pos).started, pos))
+                # The stuck threads keep their pool busy until their fills end: the rows queued behind them
+                # and the next steps get a new pool.
+                retired, self._pool = self._pool, self._new_pool()
+                for pos, r in list(pending.items()):
+                    if r.future.cancel():
+                        pending[pos] = self._submit(r.session, r.vocab_size)
+                retired.shutdown(wait=False)
+        return late
 
     def encoder(self, vocab_size: int) -> MaskEncoder:
         enc = self._encoders.get(vocab_size)
@@ -146,25 +194,13 @@ class MaskFiller:
             return out, late
         encoder = self.encoder(vocab)
         tensor, array = self._buffers.get(vocab, len(rows))
-        start = time.perf_counter()
         threaded = {pos: self._submit(s, vocab) for pos, (_, s) in enumerate(rows)
                     if s.never_filled or s.last_fill_seconds > SLOW_ROW_SECONDS}
         for pos, (_, s) in enumerate(rows):
             if pos not in threaded:
                 s.fill(tensor, pos)
-        late_pos: set[int] = set()
-        late: list[LateRow] = []
-        for pos, future in threaded.items():
-            budget = self.max_row_fill_seconds - (time.perf_counter() - start)
-            try:
-                tensor[pos].copy_(future.result(timeout=max(0.0, budget))[0])
-            except FutureTimeout:  # this session's grammar state: its fill outlived the step's budget
-                late_pos.add(pos)
-                late.append(LateRow(rows[pos][0], rows[pos][1], time.perf_counter() - start))
-        if late:
-            # The stuck threads keep their pool busy until their fills end: new steps get a new pool.
-            stuck, self._pool = self._pool, self._new_pool()
-            stuck.shutdown(wait=False)
+        late = self._collect(threaded, rows, tensor)
+        late_pos = {row.position for row in late}
         words = array[: len(rows)].view(np.uint32)
         if encoder.padding:
             # Padding bits sit in the last word only: cleared in place (this thread's buffer, refilled

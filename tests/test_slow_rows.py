@@ -44,34 +44,42 @@ def entries():
             for name, regex in (("letters", "[a-z]+"), ("abc", "[abc]{2,4}"))}
 
 
-def stuck(filler: MaskFiller) -> threading.Event:
-    """The filler's one helper thread held by an earlier fill that has not ended (set the event to end it)."""
+@pytest.fixture
+def slow_grammar(monkeypatch):
+    """Fault injection: fills of one grammar (by id) hold until released, standing in for a grammar state whose
+    mask takes seconds (xgrammar has them, but not on demand); every other session fills for real."""
+    slow_ids: set[str] = set()
     release = threading.Event()
-    filler._pool.submit(release.wait, 60)
-    return release
+    real_fill = GrammarSession.fill
+
+    def fill(self, bitmask, row):
+        if self.entry.grammar_id in slow_ids:
+            release.wait(30)
+        real_fill(self, bitmask, row)
+
+    monkeypatch.setattr(GrammarSession, "fill", fill)
+    yield slow_ids
+    release.set()
 
 
-def test_a_row_past_the_budget_is_late_and_the_others_are_filled(entries):
+def test_a_row_past_the_budget_is_late_and_the_others_are_filled(entries, slow_grammar):
     filler = MaskFiller(threads=1, max_row_fill_seconds=0.2)
-    fast, slow = GrammarSession(1, entries["letters"]), GrammarSession(2, entries["abc"])
-    # Routing follows each session's history: the fast one fills in the step's loop (no budget), the one
-    # that was slow goes to a helper thread, here still busy with an earlier fill past the budget.
-    fast.last_fill_seconds, slow.last_fill_seconds = 1e-6, 1.0
-    release = stuck(filler)
+    slow_grammar.add("abc")
+    fast, slow, queued = (GrammarSession(1, entries["letters"]), GrammarSession(2, entries["abc"]),
+                          GrammarSession(3, entries["letters"]))
+    # Routing follows each session's history: the fast one fills in the step's loop, the others go to the
+    # one helper thread, where the third waits behind the stuck one (its budget has not started).
+    fast.last_fill_seconds, slow.last_fill_seconds, queued.last_fill_seconds = 1e-6, 1.0, 1.0
     try:
-        filled, late = filler.fill([(0, fast), (1, slow)])
-        assert [row.index for row in filled] == [0]
+        filled, late = filler.fill([(0, fast), (1, slow), (2, queued)])
+        assert [row.index for row in filled] == [0, 2]
         assert [(row.index, row.session) for row in late] == [(1, slow)]
-        expected = xgr.allocate_token_bitmask(1, len(VOCAB))
-        fast.matcher.fill_next_token_bitmask(expected, 0)
-        assert filled[0].key == MaskEncoder(len(VOCAB)).canonical(expected.numpy()[0]).tobytes()
-        # The stuck thread's pool is retired: the next step, with a budget, fills both on a fresh one.
-        filler.max_row_fill_seconds = 60.0
-        filled, late = filler.fill([(0, fast), (1, slow)])
-        assert late == [] and [row.index for row in filled] == [0, 1]
-        assert np.frombuffer(filled[1].key, dtype=np.uint32).any()
+        assert late[0].fill_seconds >= 0.2
+        for row, session in zip(filled, (fast, queued)):
+            expected = xgr.allocate_token_bitmask(1, len(VOCAB))
+            session.matcher.fill_next_token_bitmask(expected, 0)
+            assert row.key == MaskEncoder(len(VOCAB)).canonical(expected.numpy()[0]).tobytes()
     finally:
-        release.set()
         filler.close()
 
 
@@ -82,29 +90,26 @@ def impatient_server():
     srv.stop()
 
 
-def test_a_late_row_fails_its_session_alone_through_the_server(impatient_server):
+def test_a_late_row_fails_its_session_alone_through_the_server(impatient_server, slow_grammar):
     tok = TinyTokenizer()
     register(impatient_server.target, tok)
-    gid = compile_regex(impatient_server.target, tok).grammar_id
-    release = stuck(impatient_server.server.filler)
+    fast_gid = compile_regex(impatient_server.target, tok).grammar_id
+    slow_gid = compile_regex(impatient_server.target, tok, "b+a").grammar_id
+    slow_grammar.add(slow_gid)
 
     async def go(client: GrammarClient):
         stream = client.open_stream(tok.vocab_size, 0)
-        # Session 1 opens without a mask; session 2's first fill (on a helper thread) is late.
-        first = await stream.step([open_step(1, gid),
-                                   pb.SessionStep(session_id=2, open=pb.OpenSession(grammar_id=gid))])
+        first = await stream.step([pb.SessionStep(session_id=1, open=pb.OpenSession(grammar_id=fast_gid)),
+                                   pb.SessionStep(session_id=2, open=pb.OpenSession(grammar_id=slow_gid))])
         # The late session is gone; the stream and session 1 go on.
-        after = await stream.step([pb.SessionStep(session_id=2, accept_token_ids=[0]),
-                                   pb.SessionStep(session_id=1, accept_token_ids=[0], skip_mask=True)])
+        after = await stream.step([pb.SessionStep(session_id=2, accept_token_ids=[1]),
+                                   pb.SessionStep(session_id=1, accept_token_ids=[0])])
         await end_stream(stream)
         return first, after
 
-    try:
-        first, after = with_client(impatient_server.target, go)
-    finally:
-        release.set()
+    first, after = with_client(impatient_server.target, go)
     ok, late = first.results
-    assert ok.status == pb.SESSION_STATUS_OK
+    assert ok.status == pb.SESSION_STATUS_OK and ok.HasField("mask")
     assert late.status == pb.SESSION_STATUS_ERROR
     assert late.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert "--max-row-fill-seconds" in late.error_message
