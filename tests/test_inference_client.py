@@ -472,7 +472,7 @@ def test_cli_choice_repeats_and_defaults():
 def test_cli_ctrl_c_subprocess(inference_server):
     proc = subprocess.Popen([PYTHON, "-m", "structd.generate", "--target", inference_server.target,
                              "--max-tokens", "2000", "--ignore-eos", "--temperature", "1",
-                             "--regex", "x[a-z]{1,3000}", "endless"],
+                             "--regex", "x[a-z]+", "endless"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.read(1) == "x"  # streaming has started
