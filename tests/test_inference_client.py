@@ -469,11 +469,18 @@ def test_cli_choice_repeats_and_defaults():
     assert args.seed is None and args.stop is None and args.timeout_seconds is None
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_ctrl_c_subprocess(inference_server):
     proc = subprocess.Popen([PYTHON, "-m", "structd.generate", "--target", inference_server.target,
                              "--max-tokens", "2000", "--ignore-eos", "--temperature", "1",
                              "--regex", "x[a-z]+", "endless"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # As from a terminal: a test run started in the background (`make test &`) has
+                            # SIGINT ignored, which its children would inherit, so Python installs no handler.
+                            preexec_fn=_default_sigint)
     try:
         assert proc.stdout.read(1) == "x"  # streaming has started
         proc.send_signal(signal.SIGINT)
