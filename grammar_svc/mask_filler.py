@@ -7,8 +7,11 @@ cheap rows). Rows are therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
 (xgrammar releases the GIL while filling). A session's first fill goes
-there too: nothing is known of it yet, and a replayed session starts deep
-in its document.
+there too when nothing is known of it: a replayed session starts deep in
+its document, and a grammar seen for the first time may start slow. A new
+session of a grammar whose start state filled fast last time fills in the
+loop (handing it to a thread and collecting it cost ~0.2 ms a step at 32
+sessions, more than the row).
 
 A fill cannot be interrupted, and a few grammar states take seconds (a
 long `pattern` string in a large schema). Rows on helper threads fill into
@@ -40,6 +43,8 @@ from shared.codec import EncodedMask, FilledRow, MaskEncoder, StreamMaskCache
 SLOW_ROW_SECONDS = 250e-6
 # Encodings remembered across steps and streams (each key is a row: 16 KB at 129k tokens, so 8 MB).
 ENCODE_MEMO_ENTRIES = 512
+# Grammars whose start-state fill time is remembered (the table starts over when full).
+START_FILL_ENTRIES = 4096
 
 
 class _EncodeMemo:
@@ -122,6 +127,8 @@ class MaskFiller:
         self._encoders: dict[int, MaskEncoder] = {}
         self._buffers = _Buffers()
         self._memo = _EncodeMemo(ENCODE_MEMO_ENTRIES)
+        # Grammar id -> how long a new session's first fill (its start state) took last time.
+        self._start_fills: dict[str, float] = {}
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="structd-fill")
@@ -167,6 +174,23 @@ class MaskFiller:
                 retired.shutdown(wait=False)
         return late
 
+    def _slow(self, s: GrammarSession) -> bool:
+        """Whether a row is expected to be slow, and so goes to a helper thread."""
+        if not s.never_filled:
+            return s.last_fill_seconds > SLOW_ROW_SECONDS
+        if s.num_accepted:
+            return True  # a replay: its first fill is deep in its document
+        known = self._start_fills.get(s.entry.grammar_id)
+        return known is None or known > SLOW_ROW_SECONDS
+
+    def _note_start_fills(self, rows, starts: list[int], late_pos: set[int]) -> None:
+        if len(self._start_fills) >= START_FILL_ENTRIES:
+            self._start_fills = {}
+        for pos in starts:
+            s = rows[pos][1]
+            # A start that outlived the row budget stays on helper threads for good.
+            self._start_fills[s.entry.grammar_id] = self.max_row_fill_seconds if pos in late_pos else s.last_fill_seconds
+
     def encoder(self, vocab_size: int) -> MaskEncoder:
         enc = self._encoders.get(vocab_size)
         if enc is None:
@@ -194,13 +218,15 @@ class MaskFiller:
             return out, late
         encoder = self.encoder(vocab)
         tensor, array = self._buffers.get(vocab, len(rows))
-        threaded = {pos: self._submit(s, vocab) for pos, (_, s) in enumerate(rows)
-                    if s.never_filled or s.last_fill_seconds > SLOW_ROW_SECONDS}
+        starts = [pos for pos, (_, s) in enumerate(rows) if s.never_filled and not s.num_accepted]
+        threaded = {pos: self._submit(s, vocab) for pos, (_, s) in enumerate(rows) if self._slow(s)}
         for pos, (_, s) in enumerate(rows):
             if pos not in threaded:
                 s.fill(tensor, pos)
         late = self._collect(threaded, rows, tensor)
         late_pos = {row.position for row in late}
+        if starts:
+            self._note_start_fills(rows, starts, late_pos)
         words = array[: len(rows)].view(np.uint32)
         if encoder.padding:
             # Padding bits sit in the last word only: cleared in place (this thread's buffer, refilled

@@ -17,9 +17,10 @@ from __future__ import annotations
 import collections
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from grammar_svc.jump_forward import ForcedTokensMemo
 from shared.errors import InvalidRequestError, LimitExceededError, NotFoundError, UnknownTokenizerError
 from shared.tokenizer import fingerprint as fingerprint_of
 
@@ -41,6 +42,8 @@ class RegisteredTokenizer:
     hf_tokenizer: Any
     # Raw bytes of every token, for token-boundary checks.
     token_bytes: tuple[bytes, ...]
+    # Jump-forward tokenizations already worked out for this tokenizer.
+    forced_memo: ForcedTokensMemo = field(default_factory=ForcedTokensMemo, compare=False, repr=False)
 
 
 def _inflate(data: bytes, what: str) -> str:

@@ -234,11 +234,20 @@ class SparseMask:
     ids: np.ndarray  # sorted int64 token ids, all below the tokenizer's vocab size
 
 
+# Id lists a decoder remembers by their wire bytes (the same lists come back step after step: every
+# JSON string interior, every separator); lists longer than DECODE_MEMO_MAX_BYTES are decoded each time.
+DECODE_MEMO_ENTRIES = 1024
+DECODE_MEMO_MAX_BYTES = 4096
+
+
 class MaskDecoder:
     """Decodes wire masks straight into rows of a preallocated int32 bitmask.
 
     Holds the client side of the stream mask cache, so use one decoder per
-    step stream.
+    step stream. Id lists it has decoded recently are not decoded again:
+    decoding is a dozen numpy calls (~25 µs a row), a lookup well under one.
+    The SparseMasks it returns may therefore be shared between rows and
+    steps: their ids must not be modified.
     """
 
     def __init__(self, vocab_size: int, cache_slots: int = 0, *, write_sparse_rows: bool = True):
@@ -251,6 +260,7 @@ class MaskDecoder:
         self.cache_slots = cache_slots
         self._cache = np.zeros((cache_slots, self.num_words), dtype=np.uint32) if cache_slots else None
         self._sparse: list[SparseMask | None] = [None] * cache_slots
+        self._memo: dict[tuple[bool, bytes], SparseMask] = {}
 
     def decode_into(self, field: str, value, out_row: np.ndarray, rows_so_far: list[np.ndarray | None],
                     store_slot: int | None = None,
@@ -273,12 +283,12 @@ class MaskDecoder:
                 raise MaskDecodeError(f"dense mask has {len(value)} bytes, expected {self.num_words * 4}")
             np.bitwise_and(np.frombuffer(value, dtype=np.uint32), self._valid, out=row)
         elif field == ALLOWED:
-            sparse = SparseMask(True, decode_ids(value, self.vocab_size))
+            sparse = self._id_list(True, value)
             if self.write_sparse_rows:
                 row[:] = 0
                 self._set_bits(row, sparse.ids, 1)
         elif field == DISALLOWED:
-            sparse = SparseMask(False, decode_ids(value, self.vocab_size))
+            sparse = self._id_list(False, value)
             if self.write_sparse_rows:
                 row[:] = self._valid
                 self._set_bits(row, sparse.ids, 0)
@@ -303,6 +313,20 @@ class MaskDecoder:
             if self.write_sparse_rows or sparse is None:
                 self._cache[store_slot] = row
             self._sparse[store_slot] = sparse
+        return sparse
+
+    def _id_list(self, allow: bool, value: bytes) -> SparseMask:
+        """The SparseMask of an allowed/disallowed id list, remembered by its wire bytes."""
+        if len(value) > DECODE_MEMO_MAX_BYTES:
+            return SparseMask(allow, decode_ids(value, self.vocab_size))
+        key = (allow, value)
+        sparse = self._memo.get(key)
+        if sparse is None:
+            # Decoded (and validated) before it is remembered: a bad list raises every time it comes.
+            sparse = SparseMask(allow, decode_ids(value, self.vocab_size))
+            if len(self._memo) >= DECODE_MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = sparse
         return sparse
 
     @staticmethod
