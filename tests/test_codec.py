@@ -604,3 +604,30 @@ def test_real_masks_round_trip(compiler, hf_tokenizer, xgr_tokenizer_info, kind,
     # The walk exercised the encodings it should (e.g. free text inside a
     # string needs the disallowed list or dense words, structure the allowed list).
     assert expect_fields <= fields, fields
+
+
+def test_decoder_remembers_id_lists_and_stays_bounded():
+    """An id list that comes back is not decoded again (the same SparseMask); a bad one raises every
+    time; the memo never holds more than DECODE_MEMO_ENTRIES lists, nor lists past DECODE_MEMO_MAX_BYTES."""
+    from shared.codec import DECODE_MEMO_ENTRIES, DECODE_MEMO_MAX_BYTES, encode_ids
+
+    vocab = 129_280
+    dec = MaskDecoder(vocab)
+    row = np.zeros(dec.num_words, dtype=np.int32)
+    value = encode_ids(np.array([3, 70, 4000]))
+    first = dec.decode_into(ALLOWED, value, row, [])
+    again = dec.decode_into(ALLOWED, value, row, [])
+    assert again is first and first.allow and first.ids.tolist() == [3, 70, 4000]
+    # The same bytes as a disallowed list are another mask.
+    assert dec.decode_into(DISALLOWED, value, row, []).allow is False
+    bad = encode_ids(np.array([vocab + 5]))
+    for _ in range(2):
+        with pytest.raises(MaskDecodeError):
+            dec.decode_into(ALLOWED, bad, row, [])
+    for k in range(DECODE_MEMO_ENTRIES + 10):
+        dec.decode_into(ALLOWED, encode_ids(np.array([k, k + 1])), row, [])
+        assert len(dec._memo) <= DECODE_MEMO_ENTRIES
+    long_list = encode_ids(np.arange(0, 4 * DECODE_MEMO_MAX_BYTES, 2))
+    assert len(long_list) > DECODE_MEMO_MAX_BYTES
+    a, b = (dec.decode_into(ALLOWED, long_list, row, []) for _ in range(2))
+    assert a is not b and np.array_equal(a.ids, b.ids)

@@ -69,3 +69,25 @@ def test_rows_are_canonical_and_repeats_are_same_as(entries, cached):
             assert all(filled[k].encoding is None for k in (2, 4, 5))  # repeats are never encoded
     finally:
         filler.close()
+
+
+def test_new_sessions_of_a_grammar_with_a_fast_start_fill_in_the_loop(entries):
+    """A session's first fill goes to a helper thread only when nothing vouches for it: a grammar seen
+    for the first time, or a replay (tokens accepted before its first fill). Once a grammar's start
+    state has filled fast, its new sessions fill in the loop."""
+    filler = MaskFiller(threads=1)
+    try:
+        first = GrammarSession(1, entries["letters"])
+        assert filler._slow(first), "a grammar never seen: its start may be slow"
+        filled, late = filler.fill([(0, first)])
+        assert late == [] and len(filled) == 1
+        assert not filler._slow(GrammarSession(2, entries["letters"]))
+        assert filler._slow(GrammarSession(3, entries["digits"])), "another grammar is still unknown"
+        replay = GrammarSession(4, entries["letters"])
+        assert replay.accept([0, 1]) == 2
+        assert filler._slow(replay), "a replayed session starts deep in its document"
+        # A start state that filled slowly keeps its grammar's new sessions on helper threads.
+        filler._note_start_fills([(0, GrammarSession(5, entries["any"]))], [0], late_pos={0})
+        assert filler._slow(GrammarSession(6, entries["any"]))
+    finally:
+        filler.close()
