@@ -19,7 +19,7 @@ import torch
 
 from inference_svc.masking import apply_masks
 from inference_svc.sampling import (RowLogprobs, RowSampler, apply_repetition_penalty, ban_unless_only,
-                                    sample_with_logprobs)
+                                    finite_at, sample_with_logprobs)
 from shared import errors
 from shared.codec import SparseMask
 
@@ -105,8 +105,7 @@ class StepSampler:
                 out[k] = no_token_error()
         good = [k for k in good if isinstance(out[k], int)]
         if good:
-            values = logits[[rows[k] for k in good], [out[k] for k in good]]
-            for k, ok in zip(good, torch.isfinite(values).tolist()):
+            for k, ok in zip(good, finite_at(logits, [rows[k] for k in good], [out[k] for k in good])):
                 if not ok:
                     out[k] = no_token_error()
         return [token if isinstance(token, Exception) else (token, lp) for token, lp in zip(out, logprobs)]

@@ -370,6 +370,29 @@ def test_torch_paths_agree_with_the_numpy_fast_paths():
         assert sample(x, fast) == sample(x.double(), fallback)
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="numpy-fast"), pytest.param(torch.float64, id="torch")])
+def test_greedy_rows_pick_the_masked_rows_argmax(dtype):
+    """Greedy rows without logprobs (an allowed-id list read with one numpy gather; a few rows of many read
+    as views): the masked row's argmax, ties to the lowest id, -inf inside a list, rows in any order."""
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(6, 500, generator=gen).to(dtype)
+    rng = np.random.default_rng(1)
+    cands = [np.sort(rng.choice(500, size=k, replace=False)).astype(np.int64) for k in (1, 2, 9, 60)]
+    logits[5, cands[2][[3, 6]]] = 50.0  # a tie inside the list: the lower id wins
+    logits[1, cands[3][:10]] = NEG_INF
+    logits[4, [7, 300]] = 60.0  # a tie in a row read whole
+    index = [3, 0, 5, 1]
+    samplers = [row(temperature=0.0) for _ in index]
+    got = sample(logits, samplers, index, cands)
+    for token, i, ids in zip(got, index, cands):
+        masked = torch.full_like(logits[i], NEG_INF)
+        masked[torch.from_numpy(ids)] = logits[i, torch.from_numpy(ids)]
+        assert token == int(masked.argmax())
+    assert got[2] == int(cands[2][3])
+    # Two greedy rows of six, no lists: each row's own argmax.
+    assert sample(logits, [row(temperature=0.0) for _ in range(2)], [4, 2]) == [7, int(logits[2].argmax())]
+
+
 @pytest.mark.parametrize("opts", [
     pytest.param(dict(temperature=0.0), id="greedy"),
     pytest.param(dict(temperature=1.0, seed=3), id="sampled"),
