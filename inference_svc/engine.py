@@ -177,6 +177,7 @@ class Engine:
                 pass
             except Exception:  # noqa: BLE001 - the loop's own death, already reported by _loop_ended
                 pass
+        self._flush_outputs()  # what the loop held when it was stopped still reaches its streams
         if self._checks is not None:
             await self._checks.close()
         self._executor.shutdown(wait=True)
