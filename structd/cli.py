@@ -106,6 +106,11 @@ BENCHMARKS = [
      "step-context: host time to build a step's inputs and attention context, old builder vs current",
      "The builder of --old-rev (loaded from git) and the working tree's on the same batches, alternating call by "
      "call in one process: medians in microseconds and new/old ratios."),
+    ("sampler", "structd.bench.sampler",
+     "sampler: host time of one step's sampling on the CPU, old sampler vs current",
+     "The sampler of --old-rev (loaded from git) and the working tree's on the same greedy steps (unconstrained, "
+     "allowed-id lists, allowed and disallowed lists), alternating call by call in one process: medians in "
+     "milliseconds, new/old ratios, and the same tokens from both."),
 ]
 
 

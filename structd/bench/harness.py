@@ -55,6 +55,55 @@ def result_header(args, machine: dict, started: float) -> dict:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))}
 
 
+def progress(msg: str) -> None:
+    """A benchmark's progress line, on stderr."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def module_at_revision(rev: str, path: str, name: str, replace: tuple[tuple[str, str], ...] = ()):
+    """The module `path` (relative to the repository) as of git revision `rev`, imported as `name` (after
+    the text substitutions in `replace`, e.g. to point its imports at other old modules). Raises
+    subprocess.CalledProcessError when the revision or the file is unknown."""
+    import importlib.util
+    import tempfile
+
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, cwd=REPO, capture_output=True,
+                            text=True).stdout
+    for old, new in replace:
+        source = source.replace(old, new)
+    tmp = tempfile.NamedTemporaryFile("w", suffix=f"_{name}.py", delete=False)
+    tmp.write(source)
+    tmp.close()
+    try:
+        spec = importlib.util.spec_from_file_location(name, tmp.name)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    finally:
+        os.unlink(tmp.name)
+    return module
+
+
+def plot_old_new(rows: list[dict], label: str, old: str, new: str, ylabel: str, path: Path,
+                 width: float = 8.0) -> None:
+    """Old and new medians side by side per row (the old-revision-vs-working-tree benchmarks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, 3.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r[old] for r in rows], width=0.4, label="old")
+    ax.bar([i + 0.2 for i in x], [r[new] for r in rows], width=0.4, label="new")
+    ax.set_xticks(list(x), [r[label] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

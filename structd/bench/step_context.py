@@ -13,25 +13,19 @@ The model is not run: this is the builder's cost alone.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from itertools import accumulate, chain
 from pathlib import Path
 
-from structd.bench.harness import REPO, result_header
+from structd.bench.harness import module_at_revision, plot_old_new, progress, result_header
 
 OLD_REV = "08b29cc"
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,17 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_old_attention(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:inference_svc/attention.py"], check=True, cwd=REPO,
-                            capture_output=True, text=True).stdout
-    path = tempfile.NamedTemporaryFile("w", suffix="_old_attention.py", delete=False)
-    path.write(source)
-    path.close()
-    spec = importlib.util.spec_from_file_location("old_attention", path.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_attention"] = module
-    spec.loader.exec_module(module)
-    os.unlink(path.name)
-    return module
+    return module_at_revision(rev, "inference_svc/attention.py", "old_attention")
 
 
 def old_inputs(old, cache, batch, device):
@@ -138,24 +122,6 @@ def time_batch(old, device, rng: random.Random, decodes: int, mixed: bool, round
             "new_over_old": round(n / o, 3)}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["old_us"] for r in rows], width=0.4, label="old")
-    ax.bar([i + 0.2 for i in x], [r["new_us"] for r in rows], width=0.4, label="new")
-    ax.set_xticks(list(x), [r["step"] for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("median µs per step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run_bench(args) -> int:
     import torch
 
@@ -183,7 +149,7 @@ def run_bench(args) -> int:
     result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
               "wall_seconds": round(time.time() - started, 1), "steps": rows}
     (args.out / "step-context.json").write_text(json.dumps(result, indent=1))
-    plot(rows, args.out / "step-context.png")
+    plot_old_new(rows, "step", "old_us", "new_us", "median µs per step", args.out / "step-context.png")
     print("| step | old µs | new µs | new / old |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['step']} | {r['old_us']} | {r['new_us']} | {r['new_over_old']:.2f} |")

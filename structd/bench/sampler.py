@@ -1,0 +1,123 @@
+"""`structd bench sampler`: host time of one step's sampling on the CPU, old sampler vs current.
+
+The old sampler is inference_svc/sampling.py and step_sampler.py as of
+--old-rev (default d83242f, before the numpy greedy paths), loaded from git;
+the new one is the working tree's. Both sample the same steps (greedy rows of
+129,280 random logits: unconstrained, every row an allowed-id list of 2-300
+ids, and two rows in three allowed lists with the third a disallowed list of
+40 ids), alternating call by call in one process so machine noise hits them
+alike; every step's tokens must agree. Reports medians in milliseconds and
+new/old ratios; writes <out>/sampler.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from structd.bench.harness import module_at_revision, plot_old_new, progress, result_header
+
+OLD_REV = "d83242f"
+VOCAB = 129_280
+KINDS = ("unconstrained", "allowed lists", "allowed + disallowed lists")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("bench-results/sampler"))
+    p.add_argument("--old-rev", default=OLD_REV,
+                   help="git revision whose inference_svc/sampling.py and step_sampler.py are the old sampler")
+    p.add_argument("--rows", type=int, default=24, help="sampled rows per step")
+    p.add_argument("--rounds", type=int, default=200, help="steps each sampler samples per kind")
+
+
+def load_old_sampler(rev: str):
+    """The old StepSampler class, importing the old sampling module (not the working tree's)."""
+    module_at_revision(rev, "inference_svc/sampling.py", "old_sampling")
+    return module_at_revision(rev, "inference_svc/step_sampler.py", "old_step_sampler",
+                              (("from inference_svc.sampling import", "from old_sampling import"),)).StepSampler
+
+
+def _plan(kind: str, rows: int, rng):
+    import numpy as np
+
+    from inference_svc.step_sampler import RowPlan
+    from shared.codec import SparseMask
+
+    plan = RowPlan(sample=list(range(rows)))
+    for i in range(rows):
+        if kind == KINDS[1] or (kind == KINDS[2] and i % 3):
+            ids = np.sort(rng.choice(VOCAB, size=int(rng.integers(2, 300)), replace=False)).astype(np.int64)
+            plan.masked.append((i, SparseMask(True, ids)))
+        elif kind == KINDS[2]:
+            plan.masked.append((i, SparseMask(False, np.sort(rng.choice(VOCAB, size=40, replace=False)).astype(np.int64))))
+    return plan
+
+
+def time_kind(old_cls, kind: str, rows: int, rounds: int, seed: int) -> dict:
+    """Both samplers on the same steps (fresh logits each step: a sampler may write -inf into them),
+    alternating which goes first; medians in ms. Raises if their tokens ever differ."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from inference_svc.sampling import RowSampler, SamplingOptions
+    from inference_svc.step_sampler import StepSampler
+
+    rng = np.random.default_rng(seed)
+    bitmask = torch.zeros((max(rows, 1), (VOCAB + 31) // 32), dtype=torch.int32)
+    samplers = {"old": old_cls(VOCAB, [1], bitmask, bitmask), "new": StepSampler(VOCAB, [1], bitmask, bitmask)}
+    greedy = SamplingOptions.validated(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=(),
+                                       ignore_eos=False, default_max_tokens=16, max_max_tokens=4096)
+    rows_of = [RowSampler(greedy, torch.device("cpu")) for _ in range(rows)]
+    times: dict[str, list[float]] = {"old": [], "new": []}
+    for r in range(rounds):
+        logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed + r))
+        plan = _plan(kind, rows, rng)
+        tokens = {}
+        for which in (("old", "new") if r % 2 else ("new", "old")):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            tokens[which] = samplers[which].sample(x, copy.deepcopy(plan), rows_of)
+            times[which].append(time.perf_counter() - t0)
+        if tokens["old"] != tokens["new"]:
+            raise AssertionError(f"{kind}: the samplers drew different tokens at step {r}")
+    o, n = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
+    return {"kind": kind, "rows": rows, "old_ms": round(o, 3), "new_ms": round(n, 3), "new_over_old": round(n / o, 3)}
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from structd.bench.grammar.report import machine
+
+    if args.rounds < 1 or args.rows < 1:
+        print("--rounds and --rows must be at least 1", file=sys.stderr)
+        return 2
+    started = time.time()
+    try:
+        old_cls = load_old_sampler(args.old_rev)
+    except subprocess.CalledProcessError as e:  # the user's --old-rev: not a revision of this clone
+        print(f"cannot read the sampler at --old-rev {args.old_rev}: {e.stderr.strip()}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    results = []
+    for k, kind in enumerate(KINDS):
+        results.append(time_kind(old_cls, kind, args.rows, args.rounds, seed=k * 100_003))
+        progress(f"{kind}: old {results[-1]['old_ms']} ms, new {results[-1]['new_ms']} ms")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
+              "wall_seconds": round(time.time() - started, 1), "kinds": results}
+    (args.out / "sampler.json").write_text(json.dumps(result, indent=1))
+    plot_old_new(results, "kind", "old_ms", "new_ms", f"median ms per step ({args.rows} rows)",
+                 args.out / "sampler.png", width=7.0)
+    print(f"| rows ({args.rows} a step) | old ms | new ms | new / old |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['kind']} | {r['old_ms']} | {r['new_ms']} | {r['new_over_old']:.2f} |")
+    return 0
