@@ -13,7 +13,8 @@ One step, in order (the point of structd's design):
    preallocated bitmask rows;
 5. sample (`step_sampler.py`): penalties, then masks applied as `masking.py`
    decides (xgrammar's kernel on a GPU, id lists on the CPU), bans, one token
-   per request (with logprobs where asked);
+   per request (with logprobs where asked); on the device thread, except on
+   the CPU, where it runs on the event loop (see `_sample`);
 6. emit: append, stream the deltas, finish what is done.
 
 The deltas of step t reach the clients' streams only once step t+1 has sent
@@ -491,6 +492,11 @@ class Engine:
             if req.num_output < req.options.min_tokens:
                 plan.before_min_tokens.append(i)
         samplers = [sampled[i].sampler for i in plan.sample]
+        if logits.device.type == "cpu":
+            # Drawn right here: on the CPU a step's draw is about a millisecond of numpy and torch calls that
+            # hold the GIL between them; on the device thread it competed with the Generate handlers the
+            # forward's launch had just woken, and took 2-3x as long (docs/benchmarks.md).
+            return self._sampler.sample(logits, plan, samplers)
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._sampler.sample, logits, plan, samplers)
 
