@@ -22,13 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import result_header
+from structd.bench.harness import progress, result_header
 
 CONTEXT = 64
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

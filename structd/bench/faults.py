@@ -27,14 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import ChildService, result_header
+from structd.bench.harness import ChildService, progress, result_header
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 FAULTS = {"none": None, "sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,11 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import result_header
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+from structd.bench.harness import progress, result_header
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

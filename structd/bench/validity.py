@@ -36,16 +36,12 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from structd.bench import validity_e2e
-from structd.bench.harness import result_header
+from structd.bench.harness import progress, result_header
 
 ENGINES = ("xgrammar", "structd")
 # The reference the issue names: another library's grammar for the same schema, on the same tokenizer.
 REFERENCE = "llguidance"
 CLOSING = frozenset('"}]')
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _default_data(name: str) -> Path:

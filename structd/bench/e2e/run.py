@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from structd.bench.e2e import report
 from structd.bench.e2e.grammar_replicas import GrammarReplicas, InProcessService, merged, steps_each
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
-from structd.bench.harness import ChildService, load_average, result_header
+from structd.bench.harness import ChildService, load_average, progress, result_header
 
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
@@ -51,10 +50,6 @@ TARGET_MASK_WAIT_SHARE = 0.03
 TARGET_TPOT_RATIO = 1.05
 TARGET_THROUGHPUT_VS_TRANSFORMERS = 3.0
 TARGET_RUNNER = "sim5"
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _int_list(text: str) -> list[int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import numpy as np
 from shared.codec import MaskDecoder, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
+from structd.bench.harness import progress
 
 
 def open_stream(client: GrammarClient, vocab_size: int, mask_cache_slots: int | None = None):
@@ -49,10 +49,6 @@ def server_default_compile_workers() -> int:
     from grammar_svc.config import GrammarServiceConfig
 
     return GrammarServiceConfig().compile_workers
-
-
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def json_schema_spec(schema_text: str) -> pb.GrammarSpec:
