@@ -19,10 +19,10 @@ One step, in order (the point of structd's design):
 
 The deltas of step t reach the clients' streams only once step t+1 has sent
 its grammar message and launched its forward (`_flush_outputs`): waking 32
-Generate handlers puts 32 callbacks on the event loop, and ahead of them the
-grammar write would start only after all of them had run, late into the
-forward (measured at simulated 2 ms steps, N = 32: 2.3 ms after send()). A
-delta waits for one schedule() and one send() more, well under a millisecond.
+Generate handlers queues 32 callbacks on the event loop, and queued ahead of
+the grammar write's task they delayed it late into the forward (measured at
+simulated 2 ms steps, N = 32: 2.3 ms after send()). A delta waits for one
+schedule() and one send() more, well under a millisecond.
 
 With `--sparse-head on` and a runner that splits (the paged model), a step
 with constrained rows runs the model body alone in 3; if the grammar has
