@@ -286,10 +286,11 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
     out = [0] * len(rows)
     logprobs: list[RowLogprobs | None] = [None] * len(rows)
     subset = [False] * len(rows)
+    # The logits as numpy where its argmax is the fast one (CPU float32), else None.
+    x = logits.detach().numpy() if _numpy_fast(logits) else None
     if candidates is not None:
         # A greedy row without logprobs is one numpy gather and argmax (~3 µs): torch's index_select and
         # argmax cost ~40 µs a row in dispatch, and a step holds dozens of such rows.
-        x = logits.detach().numpy() if _numpy_fast(logits) else None
         for i, ids in enumerate(candidates):
             if ids is None:
                 continue
@@ -309,9 +310,8 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
             # An argmax over every row is cheaper than gathering most of them first.
             best = _argmax_rows(logits)
             picked = [best[j] for j in wanted]
-        elif _numpy_fast(logits):
+        elif x is not None:
             # Row by row on views: gathering the rows first copies 0.5 MB each.
-            x = logits.detach().numpy()
             picked = [int(x[j].argmax()) for j in wanted]
         else:
             picked = _argmax_rows(logits[wanted])

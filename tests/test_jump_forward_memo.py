@@ -8,6 +8,7 @@ it, and that the memo stays bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -36,8 +37,7 @@ def compiler(tok):
 
 def _fresh(tok):
     """The tokenizer with an empty memo of its own (the module's tokenizer is shared by the tests)."""
-    object.__setattr__(tok, "forced_memo", ForcedTokensMemo())
-    return tok
+    return dataclasses.replace(tok, forced_memo=ForcedTokensMemo())
 
 
 def _walk(compiler, tok, text: str):
