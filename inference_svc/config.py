@@ -77,6 +77,9 @@ class InferenceServiceConfig:
     compile_cache_dir: Path | None = None
     # Benchmarks only: replace the model by random logits after this many ms per step.
     simulate_step_ms: float = 0.0
+    # The engine (model, grammar tier link, step loop) in a core process of its own, this one serving the API
+    # (engine_core.py); off: everything in one process.
+    engine_process: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     # A Jinja chat template file that replaces the model's own (None: the tokenizer's template).
     chat_template: Path | None = None
@@ -207,6 +210,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--model-family", d.model_family,
           "thinking and tool-call format: auto (detected from the tokenizer), none, a bundled family "
           "(deepseek, qwen) or a family JSON file")
+    f.add("--engine-process", "on" if d.engine_process else "off",
+          "on: the engine (model, grammar tier streams, step loop, sampling, detokenization, metrics) runs in a "
+          "core process of its own and this one serves gRPC, chat templates and tools, so the clients' streams "
+          "never hold up a step; off: one process")
     f.add("--simulate-step-ms", d.simulate_step_ms, argparse.SUPPRESS)
     f.add("--grace-seconds", d.grace_seconds)
     f.add("--log-level", d.log_level)
@@ -254,6 +261,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         compile_buckets=parse_buckets(args.compile_buckets),
         compile_cache_dir=Path(args.compile_cache_dir) if args.compile_cache_dir else None,
         simulate_step_ms=args.simulate_step_ms,
+        engine_process=parse_on_off("--engine-process", args.engine_process),
         engine=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 MAX_REPLAYS = 3
 # Loop iterations in a row that fail in a way no request can be blamed for before the engine gives up.
 MAX_CONSECUTIVE_LOOP_FAILURES = 3
+# What every request in flight, and every new one, hears once the engine is gone.
+ENGINE_STOPPED = "the inference engine stopped; retry on another replica"
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ class Engine:
         log.critical("the engine's step loop ended; failing every request in flight", exc_info=cause)
         self.dead = True
         self._flush_outputs()
-        error = errors.UnavailableError("the inference engine stopped; retry on another replica")
+        error = errors.UnavailableError(ENGINE_STOPPED)
         for req in self._in_flight():
             self._fail(req, error)
         if self.on_fatal is not None:
@@ -289,7 +291,7 @@ class Engine:
 
     def _check_accepting(self) -> None:
         if self.dead:
-            raise errors.UnavailableError("the inference engine stopped; retry on another replica")
+            raise errors.UnavailableError(ENGINE_STOPPED)
         if self._draining:
             raise errors.UnavailableError("the inference service is draining; retry on another replica")
 

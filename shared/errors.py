@@ -56,3 +56,8 @@ class CheckTimeoutError(StructdError):
 
 class GrammarDesyncError(StructdError):
     """The grammar tier rejected a token the engine sampled under its own mask: both sides disagree."""
+
+
+class InternalError(StructdError):
+    """A bug, already logged with its traceback and an incident id where it happened; the message names the
+    incident (an inference engine core's error on its way to the API server's client)."""

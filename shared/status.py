@@ -29,14 +29,18 @@ STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     errors.CancelledError: grpc.StatusCode.CANCELLED,
     # The request's state diverged from its grammar session: retrying it is safe.
     errors.GrammarDesyncError: grpc.StatusCode.ABORTED,
+    # Logged where it happened (another process); its message names the incident.
+    errors.InternalError: grpc.StatusCode.INTERNAL,
 }
 
 
 # Status code number (google.rpc.Code, as the grammar tier reports per-session errors) -> the exception
-# to raise on this side: the first class the table maps to that code.
+# to raise on this side: the first class the table maps to that code. Not INTERNAL: another service's
+# bug reaches callers as the caller's own default (a grammar replica's INTERNAL is UNAVAILABLE here).
 _ERROR_FOR_CODE: dict[int, type[errors.StructdError]] = {}
 for _cls, _code in STATUS_TABLE.items():
-    _ERROR_FOR_CODE.setdefault(_code.value[0], _cls)
+    if _cls is not errors.InternalError:
+        _ERROR_FOR_CODE.setdefault(_code.value[0], _cls)
 
 
 def error_for_code(code: int, message: str, default: type[errors.StructdError]) -> errors.StructdError:

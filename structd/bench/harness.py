@@ -149,13 +149,25 @@ class ChildService:
             time.sleep(0.05)
         self.target = found[0]
 
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the service process so far (its compile workers not included)."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return None
+    def cpu_seconds(self, with_children: bool = False) -> float | None:
+        """User + system CPU time of the service process so far; with_children: and of the processes it
+        started that are still running (an inference server's engine core; a grammar server's compile
+        workers come and go, so they are left out there)."""
+        pids = [self.proc.pid]
+        if with_children:
+            try:
+                pids += [int(c) for c in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
+            except (OSError, ValueError):
+                pass
+        total = 0.0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                if pid == self.proc.pid:
+                    return None
+        return total
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:

@@ -18,7 +18,7 @@ from structd.bench.harness import ChildService, ServiceThread
 class InProcessService(ServiceThread):
     """A server on a thread of this process (structd.bench.harness), with the ChildService interface."""
 
-    def cpu_seconds(self) -> float | None:
+    def cpu_seconds(self, with_children: bool = False) -> float | None:
         return None  # shares this process with the client
 
     def metrics_text(self) -> str:
