@@ -287,7 +287,7 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
     logprobs: list[RowLogprobs | None] = [None] * len(rows)
     subset = [False] * len(rows)
     # The logits as numpy where its argmax is the fast one (CPU float32), else None.
-    x = logits.detach().numpy() if _numpy_fast(logits) else None
+    x = logits.detach().numpy() if numpy_fast(logits) else None
     if candidates is not None:
         # A greedy row without logprobs is one numpy gather and argmax (~3 µs): torch's index_select and
         # argmax cost ~40 µs a row in dispatch, and a step holds dozens of such rows.
@@ -335,14 +335,14 @@ def _draw(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | None]:
 
 def finite_at(logits: torch.Tensor, rows: list[int], cols: list[int]) -> list[bool]:
     """Whether logits[rows[k], cols[k]] is finite, for every k (one gather)."""
-    if _numpy_fast(logits):
+    if numpy_fast(logits):
         # Indexing a tensor with Python lists converts them first (~0.2 ms for a step's rows); numpy does not.
         return np.isfinite(logits.detach().numpy()[rows, cols]).tolist()
     return torch.isfinite(logits[rows, cols]).tolist()
 
 
 def _argmax_rows(x: torch.Tensor) -> list[int]:
-    if _numpy_fast(x):
+    if numpy_fast(x):
         return x.detach().numpy().argmax(axis=1).tolist()
     return x.argmax(dim=1).tolist()
 
@@ -410,11 +410,11 @@ def _nucleus(probs: torch.Tensor, top_p: float, *, is_sorted: bool) -> torch.Ten
 
 
 def _sorted_ascending(x: torch.Tensor) -> torch.Tensor:
-    if _numpy_fast(x):
+    if numpy_fast(x):
         return torch.from_numpy(np.sort(x.numpy()))
     return torch.sort(x).values
 
 
-def _numpy_fast(x: torch.Tensor) -> bool:
+def numpy_fast(x: torch.Tensor) -> bool:
     # numpy's argmax and sort are 4-30x faster than torch's on CPU (see the timings above).
     return x.device.type == "cpu" and x.dtype == torch.float32

@@ -202,6 +202,22 @@ def wait_until(cond, what: str, timeout: float = 30.0) -> None:
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
 
+def assert_engine_gone(srv) -> None:
+    """What a server whose engine died shows: it knows (failed), health says NOT_SERVING, new requests get
+    UNAVAILABLE."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shared.inference_client import InferenceClient, InferenceError
+
+    wait_until(lambda: srv.server.failed.is_set(), "server told the engine died")
+    with grpc.insecure_channel(srv.target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with InferenceClient(srv.target) as client, pytest.raises(InferenceError) as err:
+        client.complete("after", max_tokens=2)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
 
 @pytest.fixture(scope="session")
 def gateway_server(inference_server):

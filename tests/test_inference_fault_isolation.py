@@ -17,11 +17,11 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import errors
 from shared.inference_client import InferenceClient, InferenceError
-from tests.conftest import InferenceServerThread, background_complete, start_grammar_server, wait_until
+from tests.conftest import (InferenceServerThread, assert_engine_gone, background_complete, start_grammar_server,
+                            wait_until)
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 20, "maxItems": 20}
 
@@ -274,12 +274,6 @@ def test_a_dead_step_loop_turns_not_serving_and_fails_what_is_in_flight(own_gram
         # The first failure no request can be blamed for fails what was scheduled (its state may be the
         # cause); three in a row end the loop.
         assert box["err"].code == grpc.StatusCode.INTERNAL and "incident" in box["err"].message
-        wait_until(lambda: srv.server.failed.is_set(), "server told the engine died")
-        with grpc.insecure_channel(srv.target) as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        with InferenceClient(srv.target) as client, pytest.raises(InferenceError) as err:
-            client.complete("after", max_tokens=2)
-        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert_engine_gone(srv)
     finally:
         srv.stop()

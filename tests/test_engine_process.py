@@ -1,0 +1,184 @@
+"""The engine in its own process (`--engine-process on`): the same service, through the real servers.
+
+An API server whose engine core runs as a child process (engine_core.py)
+must answer exactly as the one-process server does: the same tokens, text,
+logprobs, finish reasons, compile warnings and schema checks for the same
+requests on the same embedded model, the same statuses for bad requests; a
+client that goes away frees its request in the core; the core serves the
+metrics; drain and stop end the core; and a core that dies fails what is in
+flight with UNAVAILABLE and turns the server NOT_SERVING, as a dead step loop
+does in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import urllib.request
+
+import grpc
+import pytest
+
+from shared.inference_client import InferenceClient, InferenceError
+from structd.bench.harness import free_port
+from tests.conftest import (TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread, assert_engine_gone, background_complete,
+                            wait_until)
+from tests.test_schema_check import PIGEONHOLE
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                          "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+         "required": ["x", "y"]}
+
+
+def _config(grammar, **overrides):
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    # The conftest inference_server's settings, so both servers draw the same tokens.
+    base = dict(host="127.0.0.1", port=0, metrics_port=free_port(), grammar_targets=(grammar.target,), num_threads=1,
+                kv_cache_bytes=64 * 1024**2, block_size=16, engine_process=True,
+                engine=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_waiting=64, default_max_tokens=32,
+                                    compile_timeout_seconds=TEST_COMPILE_TIMEOUT_SECONDS))
+    return InferenceServiceConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def split_server(grammar_server):
+    srv = InferenceServerThread(_config(grammar_server))
+    yield srv
+    srv.stop()
+
+
+def _core_pid(srv) -> int:
+    return srv.server.engine._process.pid
+
+
+def _metric(srv, name: str, labels: dict[str, str] | None = None) -> float:
+    """A sample from the server's /metrics endpoint (served by the core)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    want = "" if not labels else "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    for line in text.splitlines():
+        if line.startswith(name + want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("prompt, options", [
+    pytest.param("Once upon a time", dict(max_tokens=24, ignore_eos=True), id="unconstrained"),
+    pytest.param("point:", dict(json_schema=POINT, max_tokens=32), id="json_schema"),
+    pytest.param("code:", dict(regex=r"[a-z]{3}-[0-9]{2,4}", max_tokens=16), id="regex"),
+    pytest.param("color:", dict(choice=["red", "green", "blue"], max_tokens=8), id="choice"),
+    pytest.param("tags:", dict(json_schema=PIGEONHOLE, max_tokens=48, temperature=1.0, seed=3), id="warnings-check"),
+    pytest.param("Hello", dict(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3, temperature=0.8,
+                               seed=5), id="logprobs-seeded"),
+    pytest.param([{"role": "user", "content": "Say hi"}], dict(max_tokens=8, ignore_eos=True), id="chat"),
+    pytest.param("stop here", dict(max_tokens=40, ignore_eos=True, stop=["e"], temperature=1.0, seed=1),
+                 id="stop-string"),
+])
+def test_same_answers_as_one_process(split_server, inference_server, prompt, options):
+    with InferenceClient(split_server.target) as split, InferenceClient(inference_server.target) as one:
+        got = list(split.generate(prompt, **options))
+        want = list(one.generate(prompt, **options))
+    assert got == want
+
+
+@pytest.mark.parametrize("prompt, options, code, message", [
+    pytest.param([1, 10**7], dict(max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT, "not a token id", id="token-id"),
+    pytest.param("x", dict(regex="(", max_tokens=2), grpc.StatusCode.INVALID_ARGUMENT, "", id="bad-regex"),
+    pytest.param("x", dict(max_tokens=10**6), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens", id="too-long"),
+])
+def test_refusals_carry_the_same_status(split_server, inference_server, prompt, options, code, message):
+    errors = []
+    for srv in (split_server, inference_server):
+        with InferenceClient(srv.target) as client, pytest.raises(InferenceError) as err:
+            client.complete(prompt, **options)
+        errors.append((err.value.code, err.value.message))
+    assert errors[0] == errors[1]
+    assert errors[0][0] == code and message in errors[0][1]
+
+
+def test_a_client_that_goes_away_frees_its_request_in_the_core(split_server):
+    cancelled = _metric(split_server, "inference_svc_requests_total",
+                        {"constrained": "false", "finish_reason": "cancelled"})
+    with InferenceClient(split_server.target) as client:
+        stream = client.generate("go on", max_tokens=2000, ignore_eos=True)
+        next(stream)
+        stream.close()  # cancels the call
+    wait_until(lambda: _metric(split_server, "inference_svc_requests_total",
+                               {"constrained": "false", "finish_reason": "cancelled"}) == cancelled + 1,
+               "the core finished the request as cancelled")
+    wait_until(lambda: _metric(split_server, "inference_svc_num_requests_running") == 0, "nothing left running")
+    assert split_server.run_sync(lambda: split_server.server.engine.num_active) == 0
+
+
+def test_many_requests_at_once_each_get_their_own_stream(split_server):
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        with InferenceClient(split_server.target) as client:
+            results[i] = client.complete("count:", regex=f"{i}-[a-z]{{2}}", max_tokens=8).text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(12))
+    for i, text in results.items():
+        assert re.fullmatch(f"{i}-[a-z]{{2}}", text), (i, text)
+
+
+# ------------------------------------------------------------ the core's lifecycle (own servers)
+
+def _simulated(grammar):
+    return InferenceServerThread(_config(grammar, simulate_step_ms=5.0, grace_seconds=1.0, num_threads=1))
+
+
+def test_stop_cancels_what_is_in_flight_and_ends_the_core(grammar_server):
+    srv = _simulated(grammar_server)
+    pid = _core_pid(srv)
+    t, box = background_complete(srv.target, prompt="in flight", max_tokens=5000, ignore_eos=True)
+    wait_until(lambda: srv.run_sync(lambda: srv.server.engine.num_active) == 1, "request running")
+    srv.stop()
+    t.join(30)
+    assert box["out"].finish_reason == "cancelled"
+    assert srv.server.engine._process.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_dead_core_fails_what_is_in_flight_and_turns_not_serving(grammar_server):
+    srv = _simulated(grammar_server)
+    try:
+        t, box = background_complete(srv.target, prompt="in flight", max_tokens=5000, ignore_eos=True)
+        wait_until(lambda: srv.run_sync(lambda: srv.server.engine.num_active) == 1, "request running")
+        os.kill(_core_pid(srv), signal.SIGKILL)
+        t.join(30)
+        assert box["err"].code == grpc.StatusCode.UNAVAILABLE and "retry on another replica" in box["err"].message
+        assert_engine_gone(srv)
+    finally:
+        srv.stop()
+
+
+def test_a_core_that_cannot_start_says_why(grammar_server):
+    from inference_svc.engine_client import EngineClient
+    from inference_svc.engine_stack import resolve_source
+
+    taken = _simulated(grammar_server)
+    try:
+        # Its metrics port is taken: the core cannot serve the metrics, and the API server must not hang.
+        cfg = _config(grammar_server, simulate_step_ms=5.0, metrics_port=taken.server.metrics_port)
+        client = EngineClient(cfg, None, resolve_source(cfg))
+
+        async def start():
+            await client.launch()
+            await client.ready()
+
+        with pytest.raises(SystemExit, match="engine core process did not start: .*Address already in use"):
+            asyncio.run(start())
+        assert client._process.returncode == 1
+    finally:
+        taken.stop()
