@@ -2,10 +2,11 @@
 
 The engine decides what each row needs (`RowPlan`: which rows are sampled,
 under which grammar mask, with which bans and penalties); `StepSampler`
-applies it on the device thread, in the order the distribution is defined
-(repetition penalty, grammar mask, the padded LM head, EOS bans, then the
-draw with logprobs where asked) and checks every drawn token. Whatever goes
-wrong for one row fails that row alone: it comes back as its exception.
+applies it (on the device thread; on the CPU, on the event loop) in the order
+the distribution is defined (repetition penalty, grammar mask, the padded LM
+head, EOS bans, then the draw with logprobs where asked) and checks every
+drawn token. Whatever goes wrong for one row fails that row alone: it comes
+back as its exception.
 """
 
 from __future__ import annotations
