@@ -20,6 +20,16 @@ several messages on the stream before the step's own. A compile that finds a
 replica UNAVAILABLE is retried once on another. A `dns:///name:port` target
 (a Kubernetes headless Service) stands for every address it resolves to,
 re-resolved periodically; addresses that leave DNS are dropped.
+
+What a replica answered to a Compile is remembered per replica (constraint ->
+grammar id and warnings, `COMPILED_MEMO_ENTRIES`): the next request with the
+same constraint placed there opens its session at once, without the RPC (a
+unary call cost the inference process ~0.5 ms of CPU, a per-request cost
+its step loop paid). The memo is dropped whenever the replica may have lost
+its cache (its stream broke, a compile found it unregistered, it left DNS).
+Should the replica have evicted the grammar meanwhile, the session's open
+fails NOT_FOUND and the request is replayed like any forgotten session;
+replays always compile by RPC.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import itertools
 import logging
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,6 +77,10 @@ _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 # Per-session error codes that are the request's own (its constraint, a limit it hit): passed on as such;
 # any other code is the replica's trouble and reaches the client as UNAVAILABLE.
 _REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+# Compile answers remembered per replica (see the module docstring); the least recently used go first.
+# Constraints longer than COMPILED_MEMO_MAX_SPEC_CHARS are not remembered (at most ~16 MB of keys a replica).
+COMPILED_MEMO_ENTRIES = 1024
+COMPILED_MEMO_MAX_SPEC_CHARS = 16 * 1024
 
 
 def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
@@ -106,6 +121,21 @@ class _Replica:
     registered: bool = False
     retired: bool = False  # its address left DNS: no new sessions; gone once its sessions are
     pending_closes: list[int] = field(default_factory=list)
+    # What it answered to Compile: constraint -> (grammar id, warnings).
+    compiled: OrderedDict[Constraint, tuple[str, tuple[SchemaWarning, ...]]] = field(default_factory=OrderedDict)
+
+    def unregister(self) -> None:
+        """It may have restarted (or is gone): it needs the tokenizer again, and its cache may be empty."""
+        self.registered = False
+        self.compiled.clear()
+
+    def remember(self, spec: Constraint, grammar_id: str, warnings: tuple[SchemaWarning, ...]) -> None:
+        if len(spec.text) + sum(map(len, spec.choices)) > COMPILED_MEMO_MAX_SPEC_CHARS:
+            return
+        self.compiled[spec] = (grammar_id, warnings)
+        self.compiled.move_to_end(spec)
+        while len(self.compiled) > COMPILED_MEMO_ENTRIES:
+            self.compiled.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -307,7 +337,7 @@ class GrammarTier:
             if r.dns_name == name and not r.retired and r.client.target not in addresses:
                 log.warning("grammar replica %s left %s: dropped", r.client.target, name)
                 r.retired = True
-                r.registered = False
+                r.unregister()
                 self._forget_if_unused(r)
         for address in sorted(addresses):
             self._add(address, name)
@@ -378,15 +408,12 @@ class GrammarTier:
             r.sessions += 1
             placed = False
             try:
-                if not r.registered:
-                    await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
-                    r.registered = True
-                resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(session.spec),
-                                              self.compile_timeout_seconds)
-                for w in resp.warnings:
-                    log.info("grammar %s: %s", resp.grammar_id[:12], w)
-                session.warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message)
-                                         for w in resp.warning_details)
+                known = r.compiled.get(session.spec) if r.registered and not session.replays else None
+                if known is not None:
+                    r.compiled.move_to_end(session.spec)
+                    grammar_id, session.warnings = known
+                else:
+                    grammar_id, session.warnings = await self._compile_on(r, session.spec)
                 if session.spec.strict_schema and session.warnings:
                     raise strict_refusal(session.warnings)
                 placed = True
@@ -394,7 +421,7 @@ class GrammarTier:
                 if e.code() not in _RETRY_ELSEWHERE:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
                 # The replica's: it is down or restarted without the tokenizer; maintain() re-registers it.
-                r.registered = False
+                r.unregister()
                 if len(tried) >= 2:
                     raise compile_error(e, r.client.target) from None
                 log.warning("grammar replica %s: compile failed with %s; trying another replica",
@@ -405,7 +432,19 @@ class GrammarTier:
                     r.sessions -= 1
                     self._forget_if_unused(r)
             break
-        session.placed_on(r.id, resp.grammar_id, self.new_session_id())
+        session.placed_on(r.id, grammar_id, self.new_session_id())
+
+    async def _compile_on(self, r: _Replica, spec: Constraint) -> tuple[str, tuple[SchemaWarning, ...]]:
+        """(grammar id, warnings) from a Compile RPC to `r` (remembered there)."""
+        if not r.registered:
+            await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
+            r.registered = True
+        resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(spec), self.compile_timeout_seconds)
+        for w in resp.warnings:
+            log.info("grammar %s: %s", resp.grammar_id[:12], w)
+        warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
+        r.remember(spec, resp.grammar_id, warnings)
+        return resp.grammar_id, warnings
 
     async def check_output(self, replica: int, spec: Constraint, grammar_id: str, token_ids: list[int],
                            timeout: float) -> SchemaCheck:
@@ -548,7 +587,7 @@ class GrammarTier:
         if r is None:
             return errors.UnavailableError(f"grammar replica lost: {detail}")
         # New compiles avoid it until maintain() has handed it the tokenizer again.
-        r.registered = False
+        r.unregister()
         if r.stream is not None:
             r.stream.cancel()
             r.stream = None
