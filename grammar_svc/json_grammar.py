@@ -14,7 +14,9 @@ xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
    lenient extras, `{"type": "array"}`) are compact too: xgrammar 0.2.8
    hard-codes ", " between their items whatever the separators;
 5. bounded strings are put in tail form (grammar_svc/bounded_strings.py), the
-   same language with masks that are cached lookups.
+   same language with masks that are cached lookups; bounds past 128 in a
+   blocked form, and one-class bounded `pattern`s as bounded strings
+   (grammar_svc/bounded_patterns.py).
 
 `GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
 grammar id never refers to a grammar an older path compiled.
@@ -30,7 +32,7 @@ from grammar_svc.regex_strings import escape_regex_strings
 from grammar_svc.schema_normalise import normalise_schema
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-5"
+GRAMMAR_REVISION = "json-grammar-6"
 
 
 def normalised_schema_text(schema_text: str) -> str:
