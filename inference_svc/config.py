@@ -78,8 +78,8 @@ class InferenceServiceConfig:
     # Benchmarks only: replace the model by random logits after this many ms per step.
     simulate_step_ms: float = 0.0
     # The engine (model, grammar tier link, step loop) in a core process of its own, this one serving the API
-    # (engine_core.py); off: everything in one process.
-    engine_process: bool = False
+    # (engine_core.py); False: everything in one process (what tests that read the engine's state use).
+    engine_process: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
     # A Jinja chat template file that replaces the model's own (None: the tokenizer's template).
     chat_template: Path | None = None

@@ -73,6 +73,7 @@ class EngineClient:
         self._reading: asyncio.Task | None = None
         self._drained = asyncio.Event()
         self._closing = False
+        self._ready = False  # the core said READY (it reads frames only from then on)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -100,6 +101,7 @@ class EngineClient:
             raise SystemExit(f"the engine core process did not start: {reason}")
         _, served, metrics_port = message
         self.max_model_len = served.max_model_len
+        self._ready = True
         self._reading = asyncio.create_task(self._read(), name="engine-core-reader")
         return served, metrics_port
 
@@ -109,15 +111,19 @@ class EngineClient:
 
     async def drain(self, grace_seconds: float) -> None:
         """The core stops admitting, lets requests finish within the grace period and cancels the rest."""
-        if self.dead or self._writer is None:
+        if self.dead or not self._ready:
             return
         p.send(self._writer, (p.DRAIN, grace_seconds))
         await self._drained.wait()
 
     async def close(self) -> None:
         self._closing = True
-        if self._writer is not None and not self.dead:
+        if self._ready and not self.dead:
             p.send(self._writer, (p.CLOSE,))
+        elif self._process is not None and self._process.poll() is None:
+            # Stopped while it was still loading (a signal during start-up): it has no requests, and it
+            # reads no frames before READY.
+            self._process.kill()
         await self._reap()
 
     async def _reap(self) -> None:

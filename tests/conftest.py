@@ -138,10 +138,14 @@ def registered(grammar_server, tokenizer_desc) -> Grammar:
     return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
 
 
-def InferenceServerThread(config) -> ServiceThread:
-    """An InferenceServer on a private event loop in a daemon thread."""
+def InferenceServerThread(config, *, engine_process: bool = False) -> ServiceThread:
+    """An InferenceServer on a private event loop in a daemon thread; its engine in this process (tests read its
+    state: scheduler, metrics, grammar tier) unless `engine_process` (tests/test_engine_process.py)."""
+    import dataclasses
+
     from inference_svc.server import InferenceServer
 
+    config = dataclasses.replace(config, engine_process=engine_process)
     return ServiceThread(InferenceServer(config), "inference-server", grammar_connect_timeout=60.0)
 
 

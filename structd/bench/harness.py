@@ -110,6 +110,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_and_children(pid: int) -> list[int]:
+    """`pid` and the processes it started that still run (an inference service's engine core)."""
+    try:
+        return [pid, *(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split())]
+    except (OSError, ValueError):
+        return [pid]  # the process's: it is gone, or has no children file to read
+
+
 class ChildService:
     """A `python -m structd <service>` child on port 0 (or `port`: a restart on the address clients already
     use); the port comes from its 'listening on' line."""
@@ -153,12 +161,7 @@ class ChildService:
         """User + system CPU time of the service process so far; with_children: and of the processes it
         started that are still running (an inference server's engine core; a grammar server's compile
         workers come and go, so they are left out there)."""
-        pids = [self.proc.pid]
-        if with_children:
-            try:
-                pids += [int(c) for c in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()]
-            except (OSError, ValueError):
-                pass
+        pids = process_and_children(self.proc.pid) if with_children else [self.proc.pid]
         total = 0.0
         for pid in pids:
             try:

@@ -15,7 +15,7 @@ OK or the client's own cancel, by status code, and streams the server ended
 with finish reason CANCELLED or ERROR), completed constrained outputs that do
 not satisfy their constraint (by reason), grammar sessions and KV blocks still
 held once the load has stopped and the services settled, the inference
-process's RSS over time and its growth after warm-up, and throughput over
+XX
 time. One progress line every --progress-seconds on stderr.
 
 Writes <out>/soak.json and <out>/soak.png, prints a markdown summary on stdout.
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
-from structd.bench.harness import ChildService, free_port, load_average, result_header
+from structd.bench.harness import ChildService, free_port, load_average, process_and_children, result_header
 from structd.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
@@ -175,13 +175,16 @@ def gauge(text: str | None, name: str) -> float | None:
 
 
 def rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass  # the process's: it is gone
-    return None
+    """Resident memory of `pid` and its children (the inference service's API server and engine core)."""
+    total = None
+    for one in process_and_children(pid):
+        try:
+            for line in Path(f"/proc/{one}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total = (total or 0) + int(line.split()[1]) * 1024
+        except OSError:
+            pass  # the process's: it is gone
+    return total
 
 
 class GrammarReplica:
