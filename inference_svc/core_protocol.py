@@ -32,7 +32,8 @@ from inference_svc.sampling import SamplingOptions
 from inference_svc.tool_calls import ToolCallParser
 
 START, SUBMIT, CANCEL, DRAIN, CLOSE = "start", "submit", "cancel", "drain", "close"
-READY, START_FAILED, SUBMITTED, OUTPUTS, DRAINED, FATAL = "ready", "start_failed", "submitted", "outputs", "drained", "fatal"
+READY, START_FAILED, SUBMITTED = "ready", "start_failed", "submitted"
+OUTPUTS, DRAINED, FATAL = "outputs", "drained", "fatal"
 
 _LENGTH = struct.Struct("!I")
 # Far above any real frame (a step's outputs are kilobytes; a prompt is capped by --max-prompt-bytes).

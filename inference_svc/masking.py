@@ -6,9 +6,9 @@ that kernel expands 129k bits per row (an ad-hoc timing here: ~0.2 ms a row,
 mask arrives as an id list (the allowed tokens after `{"`, the few disallowed
 ones inside a string: see shared/codec.SparseMask). So on the CPU a list of
 allowed ids is not applied at all (the sampler reads just those logits), a
-list of disallowed ids is written as -inf at its ids (the sampler keeps those
-of greedy rows back and checks them against the row's argmax instead:
-step_sampler.py), and only the few dense masks are expanded, with numpy.
+list of disallowed ids is written as -inf at its ids, and only the few dense
+masks are expanded, with numpy (the sampler keeps both kinds back for greedy
+rows and checks them at the row's argmax instead: step_sampler.py).
 
 Not xgrammar's CPU kernel even for those: in 0.2.8 it writes one element
 past each masked row when the row width is not a multiple of 32 (the first

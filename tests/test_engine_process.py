@@ -25,18 +25,18 @@ import pytest
 
 from shared.inference_client import InferenceClient, InferenceError
 from structd.bench.harness import free_port
-from tests.conftest import (TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread, assert_engine_gone, background_complete,
-                            wait_until)
+from tests.conftest import (TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread, assert_engine_gone,
+                            background_complete, wait_until)
 from tests.test_schema_check import PIGEONHOLE
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
                                           "y": {"type": "integer", "minimum": -9, "maximum": 9}},
          "required": ["x", "y"]}
 
-WEATHER_TOOL = {"name": "get_weather", "description": "Weather forecast for a city",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                               "required": ["city", "days"]}}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather forecast for a city", "parameters": WEATHER}
 
 
 def _config(grammar, **overrides):

@@ -1,7 +1,8 @@
-"""inference_svc/step_sampler.py: greedy rows with a disallowed-id list draw what the written mask would give.
+"""inference_svc/step_sampler.py: greedy rows with a disallowed-id list or a dense mask draw what the written mask
+would give.
 
-On the CPU such a row's list is checked against the row's argmax instead of
-written as -inf first (step_sampler._greedy_exclusions). Every case here is
+On the CPU such a row's mask is checked at the row's argmax instead of
+written as -inf first (step_sampler._greedy_checks). Every case here is
 drawn both ways, the rows in one step, and must give the same token (or the
 same failure): the unmasked winner allowed or not, ties across the list,
 NaN and -inf on either side, and rows that must keep the written mask
@@ -34,8 +35,16 @@ def options(**kw) -> SamplingOptions:
 
 
 def sampler() -> StepSampler:
-    bitmask = torch.zeros((8, words_for_vocab(VOCAB)), dtype=torch.int32)
+    """Its bitmask rows hold, densely, the mask that allows everything but EXCLUDED."""
+    bits = np.ones(words_for_vocab(VOCAB) * 32, dtype=np.uint8)
+    bits[EXCLUDED] = 0
+    row = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
+    bitmask = row.repeat(8, 1)
     return StepSampler(VOCAB, [EOS], bitmask, bitmask)
+
+
+# The same mask as it may arrive: the ids it disallows, or dense (None: the bitmask row).
+FORMS = [pytest.param(SparseMask(False, EXCLUDED), id="disallowed-list"), pytest.param(None, id="dense")]
 
 
 def written(row: torch.Tensor) -> int | type:
@@ -66,15 +75,16 @@ ROWS = [
 ]
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("row", ROWS)
 @pytest.mark.parametrize("opts", [
     pytest.param(dict(), id="greedy-checked"),
     pytest.param(dict(logprobs=True), id="greedy-logprobs-written"),
     pytest.param(dict(temperature=1e-4, seed=3), id="near-greedy-sampled-written"),
 ])
-def test_a_disallowed_list_gives_the_written_masks_token(row, opts):
+def test_a_checked_mask_gives_the_written_masks_token(form, row, opts):
     logits = torch.stack([setting(t1=20.0), row, setting(t7=20.0)])
-    plan = RowPlan(sample=[0, 1, 2], masked=[(1, SparseMask(False, EXCLUDED)), (2, SparseMask(False, EXCLUDED))])
+    plan = RowPlan(sample=[0, 1, 2], masked=[(1, form), (2, form)])
     got = sampler().sample(logits.clone(), plan, [RowSampler(options(**opts)) for _ in range(3)])
     for i, drawn in ((1, got[1]), (2, got[2])):
         want = written(logits[i])
@@ -86,11 +96,12 @@ def test_a_disallowed_list_gives_the_written_masks_token(row, opts):
     assert got[0][0] == 1  # an unconstrained row beside them is untouched
 
 
-def test_greedy_rows_are_checked_not_written():
+@pytest.mark.parametrize("form", FORMS)
+def test_greedy_rows_are_checked_not_written(form):
     """The point of the check: a greedy row whose winner is allowed is never written to."""
     logits = torch.stack([setting(t42=9.0), setting(t42=9.0)])
     before = logits.clone()
-    plan = RowPlan(sample=[0, 1], masked=[(0, SparseMask(False, EXCLUDED)), (1, SparseMask(False, EXCLUDED))])
+    plan = RowPlan(sample=[0, 1], masked=[(0, form), (1, form)])
     got = sampler().sample(logits, plan, [RowSampler(options()), RowSampler(options(logprobs=True))])
     assert [g[0] for g in got] == [42, 42]
     assert torch.equal(logits[0], before[0])
