@@ -19,6 +19,7 @@ DEFAULT_KV_CACHE_BYTES = 256 * 1024**2
 # --compile: the modes compiled_forward.py runs, and auto (picked per device by compile_mode()).
 COMPILE_MODES = ("off", "default", "max-autotune")
 COMPILE_CHOICES = ("auto", *COMPILE_MODES)
+ENGINE_PROCESS_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ class InferenceServiceConfig:
     # Benchmarks only: replace the model by random logits after this many ms per step.
     simulate_step_ms: float = 0.0
     # The engine (model, grammar tier link, step loop) in a core process of its own, this one serving the API
-    # (engine_core.py); False: everything in one process (what tests that read the engine's state use).
-    engine_process: bool = True
+    # (engine_core.py): on, off (one process; what tests that read the engine's state use), or auto (on where
+    # the model runs on CUDA, off on the CPU: see engine_in_own_process).
+    engine_process: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     # A Jinja chat template file that replaces the model's own (None: the tokenizer's template).
     chat_template: Path | None = None
@@ -113,6 +115,8 @@ class InferenceServiceConfig:
             problems.append(f"--device {self.device}: use cpu or cuda")
         if self.dtype not in ("auto", *DTYPES):
             problems.append(f"--dtype {self.dtype}: use auto, {', '.join(DTYPES)}")
+        if self.engine_process not in ENGINE_PROCESS_CHOICES:
+            problems.append(f"--engine-process {self.engine_process}: use {', '.join(ENGINE_PROCESS_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"--compile {self.compile}: use {', '.join(COMPILE_CHOICES)}")
         elif self.compile not in ("auto", "off") and self.tp > 1:
@@ -147,6 +151,17 @@ class InferenceServiceConfig:
         if self.compile != "auto":
             return self.compile
         return "default" if device.startswith("cuda") and self.tp == 1 else "off"
+
+    def engine_in_own_process(self) -> bool:
+        """--engine-process in force. auto is on where the model runs on CUDA: there a step takes a few
+        milliseconds and the clients' streams, on the step loop's event loop in one process, are what delays
+        it. On the CPU the split measured no gain (docs/benchmarks.md): a step's 129k-wide logits, copied,
+        masked and drawn on the host, outweigh the streams, which overlap the forward anyway."""
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        from inference_svc.model_loading import default_device
+
+        return (self.device or default_device()).startswith("cuda")
 
     def bucket_sizes(self) -> tuple[int, ...]:
         from inference_svc.compiled_forward import bucket_sizes
@@ -210,10 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--model-family", d.model_family,
           "thinking and tool-call format: auto (detected from the tokenizer), none, a bundled family "
           "(deepseek, qwen) or a family JSON file")
-    f.add("--engine-process", "on" if d.engine_process else "off",
+    f.add("--engine-process", d.engine_process,
           "on: the engine (model, grammar tier streams, step loop, sampling, detokenization, metrics) runs in a "
           "core process of its own and this one serves gRPC, chat templates and tools, so the clients' streams "
-          "never hold up a step; off: one process")
+          "never hold up a step; off: one process; auto: on with CUDA, off on the CPU (no gain measured there)")
     f.add("--simulate-step-ms", d.simulate_step_ms, argparse.SUPPRESS)
     f.add("--grace-seconds", d.grace_seconds)
     f.add("--log-level", d.log_level)
@@ -261,7 +276,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         compile_buckets=parse_buckets(args.compile_buckets),
         compile_cache_dir=Path(args.compile_cache_dir) if args.compile_cache_dir else None,
         simulate_step_ms=args.simulate_step_ms,
-        engine_process=parse_on_off("--engine-process", args.engine_process),
+        engine_process=args.engine_process,
         engine=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -67,7 +67,8 @@ class InferenceServer(Hosted):
     async def start(self, grammar_connect_timeout: float = 600.0) -> None:
         c = self.config
         self.host = ServiceHost((SERVICE_NAME,))
-        if c.engine_process:
+        own_process = c.engine_in_own_process()
+        if own_process:
             if self.source is None:
                 self.source = await asyncio.to_thread(resolve_source, c)
             self.engine = client = EngineClient(c, self.rank, self.source, on_fatal=self._engine_died)
@@ -86,7 +87,7 @@ class InferenceServer(Hosted):
             self.host.listen_health(c.host, c.health_port)
         await self.host.start()  # NOT_SERVING until the engine is ready
 
-        if c.engine_process:
+        if own_process:
             served, self.host.metrics_port = await client.ready()
             self.model_info = served.info
         else:
@@ -103,7 +104,7 @@ class InferenceServer(Hosted):
         await self.host.set_serving(True)
         log.info("inference service SERVING on %s:%d (%s; engine %s; metrics on :%d)", c.host, self.port,
                  c.tls.describe() if c.tls else "plaintext",
-                 "in its own process" if c.engine_process else "in this process", self.metrics_port)
+                 "in its own process" if own_process else "in this process", self.metrics_port)
 
     def _engine_died(self, cause: BaseException | None) -> None:
         log.critical("the engine stopped (%r): NOT_SERVING; the process exits so it is replaced", cause)

@@ -138,7 +138,7 @@ def registered(grammar_server, tokenizer_desc) -> Grammar:
     return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
 
 
-def InferenceServerThread(config, *, engine_process: bool = False) -> ServiceThread:
+def InferenceServerThread(config, *, engine_process: str = "off") -> ServiceThread:
     """An InferenceServer on a private event loop in a daemon thread; its engine in this process (tests read its
     state: scheduler, metrics, grammar tier) unless `engine_process` (tests/test_engine_process.py)."""
     import dataclasses

