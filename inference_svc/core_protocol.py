@@ -7,13 +7,14 @@ dataclasses (prompts, sampling options, outputs) without a schema of its
 own. A frame is a tuple whose first item says what it is:
 
     API server -> core                   core -> API server
-    (START, config, rank, source)        (READY, ServedModel, metrics port)
+    (START, config, rank, source, s)     (READY, ServedModel, metrics port)
     (SUBMIT, key, EngineSubmit)          (START_FAILED, message)
     (CANCEL, key)                        (SUBMITTED, key, error or None)
     (DRAIN, grace seconds)               (OUTPUTS, [(key, Output, warnings or None), ...])
     (CLOSE,)                             (DRAINED,)
                                          (FATAL, message)
 
+`s` is how long the core waits for a grammar replica before it gives up;
 `key` is the API server's number for a request. OUTPUTS batches every output
 the core made since its last frame: one frame per step, not one per request,
 is what keeps the core's event loop free of the clients' streams.

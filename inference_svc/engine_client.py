@@ -77,8 +77,9 @@ class EngineClient:
 
     # --- lifecycle -----------------------------------------------------------
 
-    async def launch(self) -> None:
-        """Starts the core process and tells it what to run (it loads the model meanwhile: see ready)."""
+    async def launch(self, grammar_connect_timeout_seconds: float) -> None:
+        """Starts the core process and tells it what to run (it loads the model meanwhile: see ready); it
+        gives up when no grammar replica has answered within `grammar_connect_timeout_seconds`."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen([sys.executable, "-m", "inference_svc.engine_core", str(theirs.fileno())],
@@ -86,7 +87,7 @@ class EngineClient:
         finally:
             theirs.close()
         self._reader, self._writer = await asyncio.open_unix_connection(sock=ours)
-        p.send(self._writer, (p.START, self.service_config, self.rank, self.source))
+        p.send(self._writer, (p.START, self.service_config, self.rank, self.source, grammar_connect_timeout_seconds))
 
     async def ready(self) -> tuple[ServedModel, int]:
         """(the served model, the core's metrics port) once the core has loaded the model and reached a
@@ -166,7 +167,6 @@ class EngineClient:
         finally:
             self._submits.pop(key, None)
         if error is not None:
-            self._requests.pop(key, None)
             raise error
         return req
 
@@ -188,6 +188,8 @@ class EngineClient:
                     self._deliver(message[1])
                 elif kind == p.SUBMITTED:
                     _, key, error = message
+                    if error is not None:
+                        self._requests.pop(key, None)  # refused: no output will come for it
                     if (accepted := self._submits.get(key)) is not None and not accepted.done():
                         accepted.set_result(error)
                 elif kind == p.DRAINED:

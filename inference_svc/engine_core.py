@@ -38,8 +38,6 @@ from shared.status import error_for_code, status_for
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_SECONDS = 0.0005
-# How long the core waits for a grammar replica at start-up before it gives up (the API server waits as long).
-GRAMMAR_CONNECT_TIMEOUT_SECONDS = 600.0
 
 
 def portable(error: BaseException) -> BaseException:
@@ -173,7 +171,7 @@ async def serve(sock: socket.socket) -> int:
     start = await p.receive(reader)
     if start is None or start[0] != p.START:
         raise p.ProtocolError("the API server did not start the core")
-    _, config, rank, source = start
+    _, config, rank, source, grammar_connect_timeout_seconds = start
     setup_logging(config.log_level)
     # As in the API server's process before the split: a finished forward is noticed within 0.5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
@@ -187,7 +185,7 @@ async def serve(sock: socket.socket) -> int:
             metrics_http, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
             metrics_port = metrics_http.server_port
         served = await core.stack.build()
-        await core.stack.connect(GRAMMAR_CONNECT_TIMEOUT_SECONDS)
+        await core.stack.connect(grammar_connect_timeout_seconds)
         core.stack.start()
     except (Exception, SystemExit) as e:  # noqa: BLE001 - start-up failed (the model, a port, no grammar tier)
         log.exception("the engine core could not start")

@@ -72,7 +72,7 @@ class InferenceServer(Hosted):
             if self.source is None:
                 self.source = await asyncio.to_thread(resolve_source, c)
             self.engine = client = EngineClient(c, self.rank, self.source, on_fatal=self._engine_died)
-            await client.launch()  # the core loads the model while this process loads the tokenizer
+            await client.launch(grammar_connect_timeout)  # the core loads the model while this one loads the tokenizer
             tok = await asyncio.to_thread(load_tokenizer, c, self.source)
         else:
             if c.metrics_port:

@@ -188,7 +188,7 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
         client = EngineClient(cfg, None, resolve_source(cfg))
 
         async def start():
-            await client.launch()
+            await client.launch(30.0)
             await client.ready()
 
         with pytest.raises(SystemExit, match="engine core process did not start: .*Address already in use"):

@@ -17,6 +17,12 @@ on its own, single-threaded: the intrinsic cost of each row. On the way it
   with the bounded-string rewrite (grammar_svc.bounded_strings), replays the
   same tokens on it, checks that every mask is identical and times its fills
   (schemas without one count with their own fill times: nothing changes).
+
+With `served=True` (`--local-grammar served`) the replay runs on the grammar
+the service compiles (rewrites included) instead of xgrammar's own form,
+whose rows inside strings longer than 128 characters take seconds each since
+json-grammar-5: the per-row times (and the slowest row per step) are then
+the service's, every row is "other", and there is nothing to compare.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ def _bounded_rule_ids(compiled) -> tuple[frozenset, frozenset]:
 
 
 def compile_locally(info, schema_texts: dict[int, str], rewrite: bool, threads: int | None = None,
-                    progress_every: int = 25) -> dict[int, LocalGrammar]:
+                    progress_every: int = 25, served: bool = False) -> dict[int, LocalGrammar]:
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(info, max_threads=threads or os.cpu_count() or 1, cache_enabled=False)
@@ -108,13 +114,14 @@ def compile_locally(info, schema_texts: dict[int, str], rewrite: bool, threads: 
             start = time.perf_counter()
             with quiet_stderr():
                 # xgrammar's own form (the service compiles the rewritten one): rows are classified by its rules.
-                g.compiled = compile_json_schema(compiler, text, opts, rewrite=False)
+                g.compiled = compile_json_schema(compiler, text, opts, rewrite=served)
             g.compile_seconds = time.perf_counter() - start
-            g.bounded_rules, g.long_rules = _bounded_rule_ids(g.compiled)
+            if not served:
+                g.bounded_rules, g.long_rules = _bounded_rule_ids(g.compiled)
         except Exception as e:  # noqa: BLE001 - recorded, the grammar's rows are skipped
             g.error = f"{type(e).__name__}: {e}"
             continue
-        if rewrite:
+        if rewrite and not served:
             g.rewrite_checked = True
             try:
                 with quiet_stderr():
