@@ -131,16 +131,20 @@ def walk_aggregates(run, local=None) -> dict:
         loc["rewrite"] = {"rows_compared": len(compared), "mask_mismatches": int(sum(1 for x in compared if not x)),
                           "fill_seconds": summarize(rew), "fill_hist": log_histogram(rew[~np.isnan(rew)])}
         # What a step waits on: the sum of its rows (one thread) and its slowest row (ideal parallelism).
+        # Rows timed both ways are compared like for like; without a rewrite pass (--no-rewrite-check,
+        # --local-grammar served) every timed row counts.
         steps = np.asarray(run.row_step)
         both = ~np.isnan(fill) & ~np.isnan(rew)
+        timed = both if both.any() else ~np.isnan(fill)
         per_step = {"sum": [], "max": [], "rewrite_sum": [], "rewrite_max": []}
         for s in range(len(run.rtt)):
-            sel = (steps == s) & both
+            sel = (steps == s) & timed
             if sel.any():
                 per_step["sum"].append(fill[sel].sum())
                 per_step["max"].append(fill[sel].max())
-                per_step["rewrite_sum"].append(rew[sel].sum())
-                per_step["rewrite_max"].append(rew[sel].max())
+            if ((steps == s) & both).any():
+                per_step["rewrite_sum"].append(rew[(steps == s) & both].sum())
+                per_step["rewrite_max"].append(rew[(steps == s) & both].max())
         loc["step_row_sum_seconds"] = summarize(per_step["sum"])
         loc["step_row_max_seconds"] = summarize(per_step["max"])
         loc["rewrite_step_row_sum_seconds"] = summarize(per_step["rewrite_sum"])

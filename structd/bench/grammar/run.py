@@ -248,15 +248,18 @@ def _summary_text(r: dict) -> str:
     lines.append(f"compile: {c['schemas']} schemas {c['statuses']}; cold ok p50 {c['cold_seconds_ok'].get('p50', 0) * ms:.1f} ms "
                  f"p99 {c['cold_seconds_ok'].get('p99', 0) * ms:.0f} ms; cached p50 "
                  f"{c['cached_seconds_ok'].get('p50', 0) * ms:.3f} ms p99 {c['cached_seconds_ok'].get('p99', 0) * ms:.3f} ms")
-    lines.append("batch  rtt_p50  rtt_p99  srv_p50  srv_p99 fill_p50 fill_p99  row_p50  row_p99  bytes_med  %dense  encodings")
+    lines.append("batch  rtt_p50  rtt_p99  srv_p50  srv_p99 fill_p50 fill_p99  row_p50  row_p99 slowest_p99  bytes_med  "
+                 "%dense  encodings")
     for w in r["walks"]:
         loc = w.get("local", {}).get("fill_seconds", {})
+        # The slowest row of each step (what a step with a thread per row would wait on), p99 over steps.
+        slowest = w.get("local", {}).get("step_row_max_seconds", {})
         lines.append(
             f"{w['batch']:5d} {w['step_rtt_seconds']['p50'] * ms:8.3f} {w['step_rtt_seconds']['p99'] * ms:8.3f} "
             f"{w['server_step_seconds']['p50'] * ms:8.3f} {w['server_step_seconds']['p99'] * ms:8.3f} "
             f"{w['server_fill_seconds']['p50'] * ms:8.3f} {w['server_fill_seconds']['p99'] * ms:8.3f} "
             f"{loc.get('p50', float('nan')) * ms:8.4f} {loc.get('p99', float('nan')) * ms:8.3f} "
-            f"{w['mask_bytes']['p50']:10.0f} {w['mask_bytes_median_vs_dense'] * 100:6.2f}  "
+            f"{slowest.get('p99', float('nan')) * ms:11.3f} {w['mask_bytes']['p50']:10.0f} {w['mask_bytes_median_vs_dense'] * 100:6.2f}  "
             + " ".join(f"{k.split('_')[0]}={v * 100:.1f}%" for k, v in w["encoding_share"].items()))
     for k, v in r["targets"].items():
         lines.append(f"target {k}: {v}")
