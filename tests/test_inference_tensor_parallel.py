@@ -3,7 +3,8 @@
 The two ranks are real processes (rank 0 starts rank 1 itself, as it does
 without LeaderWorkerSet variables); each holds half of every sharded weight
 and half of the KV heads. Greedy decoding is compared with the session's
-single-rank server, constrained and not.
+single-rank server, constrained and not; with `--engine-process on` rank 0's
+engine is its core process, which joins the group.
 """
 
 from __future__ import annotations
@@ -38,17 +39,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def tp2(grammar_server):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["one-process", "engine-process"])
+def tp2(grammar_server, request):
     from structd.up import wait_serving
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(port),
                              "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
-                             "--num-threads", "1", "--log-level", "WARNING"], cwd=REPO)
+                             "--num-threads", "1", "--log-level", "WARNING", "--engine-process", request.param],
+                            cwd=REPO)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
-        yield proc, f"127.0.0.1:{port}"
+        yield proc, f"127.0.0.1:{port}", request.param == "on"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -56,7 +58,7 @@ def tp2(grammar_server):
 
 @pytest.mark.parametrize("request_args", PROMPTS)
 def test_two_ranks_decode_like_one(tp2, inference_client, request_args):
-    _, target = tp2
+    _, target, _ = tp2
     kwargs = dict(request_args)
     prompt = kwargs.pop("prompt")
     one = inference_client.complete(prompt, **kwargs)
@@ -67,16 +69,16 @@ def test_two_ranks_decode_like_one(tp2, inference_client, request_args):
 
 
 def test_sigterm_stops_every_rank(tp2):
-    proc, _ = tp2
+    proc, _, engine_process = tp2
     children = children_of(proc.pid)
-    assert len(children) == 1, "rank 0 starts rank 1 itself"
+    # Rank 0 starts rank 1 itself (and, with --engine-process on, its engine core).
+    assert len(children) == 1 + engine_process
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    child = children.pop()
     deadline = time.monotonic() + 10
-    while running(child) and time.monotonic() < deadline:
+    while any(running(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not running(child), "rank 1 outlived rank 0"
+    assert not any(running(c) for c in children), "a rank (or the engine core) outlived rank 0"
 
 
 @pytest.mark.parametrize("env, message", [
