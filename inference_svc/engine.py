@@ -357,7 +357,9 @@ class Engine:
             self._wake.clear()
             await self._wake.wait()
             return
+        started = time.perf_counter()
         step = self.scheduler.schedule()
+        self.metrics.host_phase["schedule"].observe(time.perf_counter() - started)
         for req, e in step.failed:
             log.error("request %s (seq %d) could not be scheduled", req.request_id, req.seq_id, exc_info=e)
             self._fail(req, e)
@@ -384,7 +386,9 @@ class Engine:
         rows = [GrammarRow(req.grammar, i) for i, req in enumerate(sampled) if req.grammar_active]
         pending = None
         if self.grammar is not None and (rows or self.grammar.has_pending_closes()):
+            started = time.perf_counter()
             pending = self.grammar.send(rows, self._bitmask_np)
+            self.metrics.host_phase["grammar_send"].observe(time.perf_counter() - started)
         split = bool(rows) and self._split_head
         logits, forward_done = await self._forward(step, pending, body_only=split)
         plan = None
@@ -393,7 +397,7 @@ class Engine:
             # answered already it runs in full now (the answers keep arriving meanwhile, as they did).
             hidden, path = logits, "full_late"
             if pending.answered:
-                plan = self._plan(sampled, await self._answers(pending, rows, forward_done))
+                plan = self._timed_plan(sampled, await self._answers(pending, rows, forward_done))
                 ids = head_ids(plan.sample, plan.masked, self.tok_vocab_size)
                 path = "full_needed" if ids is None else "sparse"
             head = self.runner.head if path != "sparse" else functools.partial(self.runner.sparse_head, ids=ids)
@@ -410,9 +414,20 @@ class Engine:
         else:
             self.metrics.lm_head_steps.labels("full").inc()
         if plan is None:
-            plan = self._plan(sampled, await self._answers(pending, rows, forward_done) if pending else {})
+            plan = self._timed_plan(sampled, await self._answers(pending, rows, forward_done) if pending else {})
+        started = time.perf_counter()
         tokens = await self._sample(logits, plan, sampled)
+        emitting = time.perf_counter()
         self._emit(sampled, plan, tokens)
+        phases = self.metrics.host_phase
+        phases["sample"].observe(emitting - started)
+        phases["emit"].observe(time.perf_counter() - emitting)
+
+    def _timed_plan(self, sampled: list[GenerationRequest], results: dict[int, RowResult]) -> RowPlan:
+        started = time.perf_counter()
+        plan = self._plan(sampled, results)
+        self.metrics.host_phase["plan"].observe(time.perf_counter() - started)
+        return plan
 
     async def _answers(self, pending: PendingStep, rows: list[GrammarRow], forward_done: float) -> dict[int, RowResult]:
         """The grammar's answer per bitmask row, waiting at most the step deadline (see _receive)."""

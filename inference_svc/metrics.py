@@ -16,6 +16,10 @@ STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
 # Mask wait is ideally zero: resolve microseconds.
 MASK_WAIT_BUCKETS = (0.0, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The step loop's own work between forwards: tens of microseconds (GPU, few rows) to tens of ms (CPU, a batch).
+HOST_PHASE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+# inference_svc_step_host_seconds{phase}: what the step loop does on the host, in step order.
+HOST_PHASES = ("schedule", "grammar_send", "plan", "sample", "emit")
 
 
 class InferenceMetrics:
@@ -107,6 +111,13 @@ class InferenceMetrics:
             "does not split).", ["path"], registry=r)
         for path in ("sparse", "full_late", "full_needed", "full"):
             self.lm_head_steps.labels(path)
+        self.step_host = Histogram(
+            "inference_svc_step_host_seconds",
+            "The step loop's host work per step, by phase: schedule (batch and KV), grammar_send (the step's "
+            "grammar message built and handed to its writer), plan (grammar answers turned into each row's mask), "
+            "sample (penalties, masks, the draw), emit (tokens appended, text, outputs). The forward and the mask "
+            "wait have their own metrics.", ["phase"], buckets=HOST_PHASE_BUCKETS, registry=r)
+        self.host_phase = {phase: self.step_host.labels(phase) for phase in HOST_PHASES}
         self.preemptions = Counter(
             "inference_svc_preemptions_total", "Running requests preempted (KV freed, recomputed later).", registry=r)
         # Children resolved once (a labels() lookup per token is measurable on the hot path); this also

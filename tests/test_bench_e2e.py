@@ -48,6 +48,11 @@ def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
         assert s["generation_tokens_constrained"] + s["generation_tokens_unconstrained"] == p["tokens"]
         assert [r["index"] for r in p["records"]] == [0, 1, 2] and all(r["digest"] for r in p["records"])
         assert p["cpu"]["cores_busy"] > 0
+        # The step loop's host work, phase by phase; grammar_send only where rows are constrained.
+        host = s["host_phase_mean_seconds"]
+        assert all(host[k] > 0 for k in ("schedule", "plan", "sample", "emit")), host
+        assert (host["grammar_send"] is None) == (p["kind"] == "unconstrained"), host
+        assert s["host_phase_per_row_seconds"]["sample"] <= host["sample"]
         if p["kind"] == "unconstrained":
             # Length-matched to the constrained requests at the same N, which ran just before.
             twin = next(q for q in result["phases"] if q["kind"] == "constrained" and q["concurrency"] == p[
@@ -70,6 +75,7 @@ def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
 
     out = capsys.readouterr().out
     assert "| simulated 2 ms | 3 | constrained, no JF |" in out
+    assert "| runner | N | workload | schedule µs | grammar_send µs |" in out
     assert "TPOT constrained/unconstrained" in out
 
 

@@ -7,6 +7,7 @@ time), wired to a grammar replica of its own that the last tests stop.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -123,6 +124,10 @@ def test_live_metrics_exposition_passes_promtool(simulated):
                  'inference_svc_requests_total{constrained="true",finish_reason="stop"}',
                  "inference_svc_kv_cache_usage_ratio", "inference_svc_grammar_rpc_duration_seconds_count"):
         assert name.encode() in text, name
+    # Every host phase of the step loop ran for these two requests (grammar_send for the constrained one).
+    for phase in ("schedule", "grammar_send", "plan", "sample", "emit"):
+        count = re.search(rf'inference_svc_step_host_seconds_count{{phase="{phase}"}} (\S+)'.encode(), text)
+        assert count is not None and float(count.group(1)) > 0, phase
 
 
 def test_lost_grammar_replica_fails_its_requests_alone(simulated, own_grammar):

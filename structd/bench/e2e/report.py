@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from inference_svc.metrics import HOST_PHASES
 from structd.bench.grammar.report import summarize
 
 MS = 1e3
@@ -31,6 +32,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def _delta(before: dict, after: dict, key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _mean(before: dict, after: dict, histogram: str, labels: str) -> float | None:
+    """A histogram's mean over the phase (None when it was not observed)."""
+    count = _delta(before, after, f"{histogram}_count{{{labels}}}")
+    return _delta(before, after, f"{histogram}_sum{{{labels}}}") / count if count else None
 
 
 def histogram_delta(before: dict, after: dict, name: str) -> dict:
@@ -102,7 +109,15 @@ def server_deltas(before: dict, after: dict, wall: float) -> dict:
         # How each step's LM head ran (--sparse-head): sparse, full_late, full_needed, full.
         "lm_head_steps": {path: _delta(before, after, f"inference_svc_lm_head_steps_total{{path={path}}}")
                           for path in ("sparse", "full_late", "full_needed", "full")},
+        # The step loop's host work per step, by phase (inference_svc_step_host_seconds): mean seconds per
+        # step that ran the phase, and per row of the mean batch.
+        "host_phase_mean_seconds": {phase: _mean(before, after, "inference_svc_step_host_seconds", f"phase={phase}")
+                                    for phase in HOST_PHASES},
     }
+    if batch["count"] and batch["sum"]:
+        rows = batch["sum"] / batch["count"]
+        out["host_phase_per_row_seconds"] = {k: v / rows for k, v in out["host_phase_mean_seconds"].items()
+                                             if v is not None}
     if steps:
         # What one step costs beyond the forward and the mask wait: scheduling, sampling, streaming,
         # the event loop (an upper bound: the phase's ramp-up and tail are in the wall time too).
@@ -208,6 +223,9 @@ def phase_line(p: dict) -> str:
         line += (f"; mask wait {_fmt_pct(s.get('mask_wait_share'))} of forward, grammar step (server) "
                  f"{_fmt_ms(_g(p, 'grammar_server', 'step_mean_seconds'))} ms, forward {_fmt_ms(s.get('forward_mean_seconds'))} ms,"
                  f" overhead/step {_fmt_ms(s.get('overhead_per_step_seconds'))} ms, forced {_fmt_pct(p['forced_share'])}")
+        host = s.get("host_phase_mean_seconds") or {}
+        if any(v is not None for v in host.values()):
+            line += "; host per step: " + ", ".join(f"{k} {v * 1e6:.0f} µs" for k, v in host.items() if v is not None)
     if len(p.get("grammar_steps_per_replica", [])) > 1:
         line += f"; grammar steps per replica {p['grammar_steps_per_replica']}"
     cpu = p.get("cpu", {}).get("seconds")
@@ -404,6 +422,19 @@ def markdown(result: dict) -> str:
                      f" | {r(c['throughput_ratio'])} | {r(c.get('no_jump_forward_tpot_ratio_mean'))} | "
                      f"{r(c.get('constrained_throughput_vs_transformers'))} | "
                      f"{r(c.get('constrained_throughput_vs_vllm'))} |")
+    hosted = [p for p in result["phases"] if p.get("server", {}).get("host_phase_mean_seconds")]
+    if hosted:
+        # The step loop's own work (inference_svc_step_host_seconds), the "overhead/step" above taken apart.
+        lines += ["", "| runner | N | workload | " + " | ".join(f"{k} µs" for k in HOST_PHASES)
+                  + " | sum µs/step | µs per row |", "|---|---|---|" + "---|" * (len(HOST_PHASES) + 2)]
+        for p in hosted:
+            mean = p["server"]["host_phase_mean_seconds"]
+            total = sum(v for v in mean.values() if v is not None)
+            rows = p["server"].get("mean_batch")
+            kind = p["kind"] + ("" if p["jump_forward"] else ", no JF")
+            lines.append(f"| {p['runner_label']} | {p['concurrency']} | {kind} | "
+                         + " | ".join("–" if mean[k] is None else f"{mean[k] * 1e6:.0f}" for k in HOST_PHASES)
+                         + f" | {total * 1e6:.0f} | " + (f"{total * 1e6 / rows:.1f} |" if rows else "– |"))
     sweep = result.get("grammar_replica_sweep", [])
     if len({row["grammar_replicas"] for row in sweep}) > 1:
         lines += ["", ("| runner | N | grammar replicas | mask-wait share | mask wait p99 ms | TPOT c/u (mean) | "
