@@ -27,6 +27,10 @@ from inference_svc.tensor_parallel import RankInfo, TensorParallelRunner, init_g
 log = logging.getLogger(__name__)
 # Context length of the simulated runner (it has no model config).
 SIMULATED_MAX_MODEL_LEN = 8192
+# The forward runs on its own thread while the event loop handles gRPC and grammar answers: with CPython's
+# default 5 ms GIL switch interval, a finished forward can wait milliseconds to be noticed. Whichever
+# process runs the engine hands the GIL over at least every 0.5 ms instead (sys.setswitchinterval).
+GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | None = None) -> TokenizerView:

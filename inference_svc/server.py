@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from inference_svc.config import InferenceServiceConfig
 from inference_svc.engine import Engine
 from inference_svc.engine_client import EngineClient
-from inference_svc.engine_stack import EngineStack, load_chat, load_runner, load_tokenizer, resolve_source
+from inference_svc.engine_stack import (GIL_SWITCH_INTERVAL_SECONDS, EngineStack, load_chat, load_runner,
+                                        load_tokenizer, resolve_source)
 from inference_svc.frontend import Frontend, ServingInfo
 from inference_svc.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
@@ -39,7 +40,6 @@ from shared.service_host import Hosted, ServiceHost, run_until_signalled
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
-GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class InferenceServer(Hosted):
@@ -159,10 +159,7 @@ async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_po
 async def serve(config: InferenceServiceConfig, argv: Sequence[str] = ()) -> None:
     """Runs one replica until SIGTERM/SIGINT. argv: the flags it was started with; with --tp N and no
     rank layout in the environment, ranks 1..N-1 are started locally with the same flags."""
-    # The forward runs on its own thread while the event loop handles gRPC and grammar answers: with
-    # CPython's default 5 ms GIL switch interval, a finished forward can wait milliseconds to be
-    # noticed. Hand the GIL over at least every 0.5 ms instead.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see engine_stack.py
     rank, children = None, []
     if config.tp > 1:
         rank = rank_from_env(dict(os.environ), config.tp)

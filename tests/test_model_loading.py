@@ -22,9 +22,9 @@ import torch
 
 from inference_svc.config import EngineConfig, InferenceServiceConfig
 from inference_svc.embedded_model import DEFAULT_SPEC, EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.engine_stack import load_runner
 from inference_svc.model_loading import (ModelNotFoundError, checkpoint_dtype, load_model, native_dtypes,
                                          pick_dtype, resolve_model)
-from inference_svc.engine_stack import load_runner
 from shared.inference_client import InferenceClient
 from structd.bench.harness import free_port
 from tests.conftest import REPO
