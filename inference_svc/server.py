@@ -7,8 +7,8 @@ cancels the rest. Should the engine's step loop ever end on its own, health
 turns NOT_SERVING at once and the process exits non-zero, so the orchestrator
 (Kubernetes, `structd up`) replaces it instead of routing to a dead engine.
 
-The engine runs in this process, or, with `--engine-process on`, in an
-engine core process this one starts (engine_core.py): then this process is
+The engine runs in this process, or, with `--engine-process on` (`auto`
+with CUDA), in an engine core process this one starts (engine_core.py): then this process is
 the API server (gRPC, health, chat templates, tools; `EngineClient` stands
 in for the engine), and the core loads the model, talks to the grammar tier,
 runs the step loop and serves the metrics.
