@@ -166,7 +166,8 @@ class EngineStack:
         self.engine: Engine | None = None
         self.grammar: GrammarTier | None = None
         self.served: ServedModel | None = None
-        self.tokenizer = None
+        # load_chat's (template, family, think ids) for the model, once built (the API side renders with them).
+        self.chat = None
         self._maintain: asyncio.Task | None = None
 
     async def build(self) -> ServedModel:
@@ -175,13 +176,13 @@ class EngineStack:
 
         c = self.config
         runner, tok, eos_ids, max_model_len, info = await asyncio.to_thread(load_runner, c, self.rank, self.source)
-        self.runner, self.tokenizer = runner, tok
+        self.runner = runner
         log.info("model %s ready in %.1f s (served as %s; vocab %d; %s)", info.source.model_id, info.load_seconds,
                  info.served_name, runner.vocab_size,
                  "simulated" if c.simulate_step_ms else f"{info.dtype} on {info.device}")
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
-        _, _, think = await asyncio.to_thread(load_chat, c, tok)
-        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, think)
+        self.chat = await asyncio.to_thread(load_chat, c, tok)
+        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2])
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)

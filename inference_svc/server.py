@@ -74,14 +74,15 @@ class InferenceServer(Hosted):
             self.engine = client = EngineClient(c, self.rank, self.source, on_fatal=self._engine_died)
             await client.launch(grammar_connect_timeout)  # the core loads the model while this one loads the tokenizer
             tok = await asyncio.to_thread(load_tokenizer, c, self.source)
+            template, family, _ = await asyncio.to_thread(load_chat, c, tok)
         else:
             if c.metrics_port:
                 self.host.serve_metrics(c.host, c.metrics_port, self.metrics.registry)
             self.stack = EngineStack(c, self.metrics, self.rank, self.source, on_fatal=self._engine_died)
             served = await self.stack.build()
             self.engine, self.runner, self.grammar = self.stack.engine, self.stack.runner, self.stack.grammar
-            self.model_info, tok = served.info, self.stack.tokenizer
-        template, family, _ = await asyncio.to_thread(load_chat, c, tok)
+            self.model_info = served.info
+            template, family, _ = self.stack.chat
         self.host.listen(c.host, c.port, c.tls)
         if c.health_port:
             self.host.listen_health(c.host, c.health_port)

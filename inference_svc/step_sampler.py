@@ -50,6 +50,7 @@ class StepSampler:
                  bitmask_dev: torch.Tensor):
         self.vocab_size = vocab_size  # the tokenizer's: LM-head columns past it are padding
         self._bitmask_host = bitmask_host
+        self._bitmask_np = bitmask_host.numpy()
         self._bitmask_dev = bitmask_dev
         self._eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=bitmask_dev.device)
         self._eos_np = np.array(sorted(eos_ids), dtype=np.int64)
@@ -119,9 +120,9 @@ class StepSampler:
     def _greedy_checks(logits: torch.Tensor, plan: RowPlan, samplers: list[RowSampler]) -> dict[int, SparseMask | None]:
         """Greedy rows without logprobs whose mask must otherwise be written into the row (a disallowed-id
         list, or a dense mask: None), on the CPU: their mask is checked at the row's argmax instead
-        (_argmax_checked). Writing one cost 0.1-0.3 ms a row (tens of thousands of ids inside a JSON string;
-        a dense mask unpacked and written over 129k columns), an argmax over the row 0.03-0.05 ms. Rows whose
-        EOS min_tokens bans keep the written mask (ban_unless_only reads it)."""
+        (_argmax_checked): writing tens of thousands of ids, or a dense mask unpacked over 129k columns, costs
+        more than the argmax (`structd bench sampler`, string interiors: half the step). Rows whose EOS
+        min_tokens bans keep the written mask (ban_unless_only reads it)."""
         if not numpy_fast(logits):
             return {}
         greedy = {i for i, s in zip(plan.sample, samplers) if s.argmax_only and not s.options.wants_logprobs}
@@ -132,20 +133,17 @@ class StepSampler:
         """The argmax of `row` under its mask (`form`: the disallowed ids; None: the dense mask in its bitmask
         row), as writing the mask first and taking the argmax would give: the row's own argmax (its first
         maximum, or first NaN) whenever the mask allows it, since then nothing before it is as large among
-        the allowed; else the mask is written and the row drawn again."""
+        the allowed; else the mask is written (apply_masks, as for any other row) and the row drawn again."""
         x = logits.detach().numpy()
         token = int(x[row].argmax())
         if form is not None:
             at = int(np.searchsorted(form.ids, token))
-            if at == form.ids.size or form.ids[at] != token:
-                return token
-            x[row, form.ids] = float("-inf")
+            allowed = at == form.ids.size or form.ids[at] != token
         else:
-            packed = self._bitmask_host.numpy()[row]
-            if (int(packed[token >> 5]) >> (token & 31)) & 1:
-                return token
-            allowed = np.unpackbits(packed.view(np.uint8), bitorder="little", count=x.shape[1]).view(np.bool_)
-            np.copyto(x[row], float("-inf"), where=~allowed)
+            allowed = bool((int(self._bitmask_np[row, token >> 5]) >> (token & 31)) & 1)
+        if allowed:
+            return token
+        apply_masks(logits, [(row, form)], self._bitmask_host, self._bitmask_dev, self.vocab_size)
         return int(x[row].argmax())
 
     @staticmethod

@@ -14,7 +14,8 @@ def test_small_run_through_the_cli(tmp_path, capsys):
     result = json.loads((tmp_path / "sampler.json").read_text())
     assert result["arguments"]["old_rev"] == "d83242f" and result["machine"]["logical_cpus"] > 0
     kinds = result["kinds"]
-    assert [k["kind"] for k in kinds] == ["unconstrained", "allowed lists", "allowed + disallowed lists"]
+    assert [k["kind"] for k in kinds] == ["unconstrained", "allowed lists", "allowed + disallowed lists",
+                                         "long disallowed lists + dense masks"]
     for k in kinds:
         assert k["rows"] == 5 and k["old_ms"] > 0 and k["new_ms"] > 0 and k["new_over_old"] > 0
     assert (tmp_path / "sampler.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -4,8 +4,10 @@ The old sampler is inference_svc/sampling.py and step_sampler.py as of
 --old-rev (default d83242f, before the numpy greedy paths), loaded from git;
 the new one is the working tree's. Both sample the same steps (greedy rows of
 129,280 random logits: unconstrained, every row an allowed-id list of 2-300
-ids, and two rows in three allowed lists with the third a disallowed list of
-40 ids), alternating call by call in one process so machine noise hits them
+ids, two rows in three allowed lists with the third a disallowed list of
+40 ids, and string interiors: half the rows a disallowed list of 20,000 ids,
+half a dense mask allowing a random half of the vocabulary), alternating call
+by call in one process so machine noise hits them
 alike; every step's tokens must agree. Reports medians in milliseconds and
 new/old ratios; writes <out>/sampler.json and .png.
 """
@@ -25,7 +27,9 @@ from structd.bench.harness import module_at_revision, plot_old_new, progress, re
 
 OLD_REV = "d83242f"
 VOCAB = 129_280
-KINDS = ("unconstrained", "allowed lists", "allowed + disallowed lists")
+KINDS = ("unconstrained", "allowed lists", "allowed + disallowed lists", "long disallowed lists + dense masks")
+# String interiors (the last kind): the ids a row's disallowed list holds.
+LONG_DISALLOWED = 20_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,15 +47,24 @@ def load_old_sampler(rev: str):
                               (("from inference_svc.sampling import", "from old_sampling import"),)).StepSampler
 
 
-def _plan(kind: str, rows: int, rng):
+def _plan(kind: str, rows: int, rng, bitmask):
+    """The step's masks; a dense row's mask goes into its row of `bitmask` (both samplers read it)."""
     import numpy as np
+    import torch
 
     from inference_svc.step_sampler import RowPlan
     from shared.codec import SparseMask
 
     plan = RowPlan(sample=list(range(rows)))
     for i in range(rows):
-        if kind == KINDS[1] or (kind == KINDS[2] and i % 3):
+        if kind == KINDS[3] and i % 2:
+            bits = np.packbits(rng.random(bitmask.shape[1] * 32) < 0.5, bitorder="little")
+            bitmask[i] = torch.from_numpy(bits.view(np.int32).copy())
+            plan.masked.append((i, None))
+        elif kind == KINDS[3]:
+            ids = np.sort(rng.choice(VOCAB, size=LONG_DISALLOWED, replace=False)).astype(np.int64)
+            plan.masked.append((i, SparseMask(False, ids)))
+        elif kind == KINDS[1] or (kind == KINDS[2] and i % 3):
             ids = np.sort(rng.choice(VOCAB, size=int(rng.integers(2, 300)), replace=False)).astype(np.int64)
             plan.masked.append((i, SparseMask(True, ids)))
         elif kind == KINDS[2]:
@@ -79,7 +92,7 @@ def time_kind(old_cls, kind: str, rows: int, rounds: int, seed: int) -> dict:
     times: dict[str, list[float]] = {"old": [], "new": []}
     for r in range(rounds):
         logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed + r))
-        plan = _plan(kind, rows, rng)
+        plan = _plan(kind, rows, rng, bitmask)
         tokens = {}
         for which in (("old", "new") if r % 2 else ("new", "old")):
             x = logits.clone()

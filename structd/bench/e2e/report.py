@@ -429,12 +429,12 @@ def markdown(result: dict) -> str:
                   + " | sum µs/step | µs per row |", "|---|---|---|" + "---|" * (len(HOST_PHASES) + 2)]
         for p in hosted:
             mean = p["server"]["host_phase_mean_seconds"]
-            total = sum(v for v in mean.values() if v is not None)
-            rows = p["server"].get("mean_batch")
+            per_row = p["server"].get("host_phase_per_row_seconds")
             kind = p["kind"] + ("" if p["jump_forward"] else ", no JF")
             lines.append(f"| {p['runner_label']} | {p['concurrency']} | {kind} | "
                          + " | ".join("–" if mean[k] is None else f"{mean[k] * 1e6:.0f}" for k in HOST_PHASES)
-                         + f" | {total * 1e6:.0f} | " + (f"{total * 1e6 / rows:.1f} |" if rows else "– |"))
+                         + f" | {sum(v for v in mean.values() if v is not None) * 1e6:.0f} | "
+                         + (f"{sum(per_row.values()) * 1e6:.1f} |" if per_row else "– |"))
     sweep = result.get("grammar_replica_sweep", [])
     if len({row["grammar_replicas"] for row in sweep}) > 1:
         lines += ["", ("| runner | N | grammar replicas | mask-wait share | mask wait p99 ms | TPOT c/u (mean) | "
