@@ -15,6 +15,7 @@ for a GPU in benchmarks.
 from __future__ import annotations
 
 import inspect
+import logging
 from itertools import accumulate, chain
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,10 @@ import torch
 from inference_svc.attention import CONTEXT_KWARG, PagedAttentionContext, register
 from inference_svc.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES
 from inference_svc.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
+from inference_svc.lm_head import LmHead
 from inference_svc.sparse_head import SparseHead
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,9 @@ class PagedModelRunner:
     it must only be called through this runner afterwards.
     """
 
-    def __init__(self, model, kv_cache: PagedKVCache):
+    def __init__(self, model, kv_cache: PagedKVCache, *, own_head: bool = True):
+        """own_head=False: the model's forward computes its LM head (a tensor-parallel model's head is
+        sharded, its output gathered by the layer's own hooks), and there is no sparse head."""
         self.model = model
         self.kv_cache = kv_cache
         model.set_attn_implementation(register())
@@ -112,7 +118,10 @@ class PagedModelRunner:
         # Slicing hidden states before the LM head avoids 129k-wide logits for
         # every prompt token; models whose forward lacks it get full logits, sliced after.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._head = _sparse_head_for(model)
+        # The head computed here rather than by the model's forward (a faster kernel on the CPU, lm_head.py),
+        # unless the model does more after it; the sparse head where its columns are exact.
+        self.lm_head = _lm_head_for(model) if own_head else None
+        self._head = SparseHead(self.lm_head, max_rows=64) if self.lm_head and self.lm_head.exact_columns else None
 
     @classmethod
     def create(
@@ -130,7 +139,7 @@ class PagedModelRunner:
         param = next(model.parameters())
         spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size, tp_size)
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
-        return cls(model, PagedKVCache(spec, blocks, param.device))
+        return cls(model, PagedKVCache(spec, blocks, param.device), own_head=tp_size == 1)
 
     @property
     def vocab_size(self) -> int:
@@ -161,10 +170,9 @@ class PagedModelRunner:
         validate_batch(batch, blocks)
         return self.forward_with_tables(batch, blocks.block_tables([c.seq_id for c in batch.chunks]), head=False)
 
-    @torch.inference_mode()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of `forward_body`'s rows: `forward`'s output, split in two."""
-        return self.model.get_output_embeddings()(hidden).float()
+        return self.lm_head.full(hidden)
 
     def sparse_head(self, hidden: torch.Tensor, ids) -> torch.Tensor:
         """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere (see sparse_head.py)."""
@@ -186,10 +194,11 @@ class PagedModelRunner:
         last_index = [end - 1 for c, end in zip(chunks, accumulate(query_lens)) if c.needs_logits]
         keep = torch.tensor(last_index, dtype=torch.long, device=self._device)
         kwargs = {CONTEXT_KWARG: ctx}
-        if not head:
+        if not head or self.lm_head is not None:
             hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                               use_cache=False, **kwargs).last_hidden_state[0]
-            return hidden.index_select(0, keep)
+            hidden = hidden.index_select(0, keep)
+            return self.lm_head.full(hidden) if head else hidden
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = keep
         logits = self.model(
@@ -204,12 +213,14 @@ class PagedModelRunner:
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _sparse_head_for(model) -> SparseHead | None:
-    """A SparseHead over the model's output embedding, or None when its forward does more than that
-    (or its layout is not the usual body + lm_head), so the engine keeps to the full forward."""
+def _lm_head_for(model) -> LmHead | None:
+    """The model's output embedding as an LmHead, or None when its forward does more than that (or its
+    layout is not the usual body + lm_head), so the runner keeps to the model's own forward."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or not hasattr(model, "get_decoder"):
         return None
     if any(getattr(model.config, name, None) not in (None, 1.0) for name in _LOGIT_POSTPROCESSING):
         return None
-    return SparseHead(head.weight, head.bias, max_rows=64)
+    lm_head = LmHead.create(head.weight, head.bias)
+    log.info("LM head: %s kernel%s", lm_head.name, "" if lm_head.exact_columns else " (no sparse head)")
+    return lm_head

@@ -4,17 +4,17 @@ structd has the grammar's masks while the model body runs (engine.py), so a
 step whose every sampled row is constrained to a short allowed-id list (or
 forced, or finished) needs only those logits. `head_ids` decides from the
 step's plan whether it qualifies and returns the union of the rows' allowed
-ids; `SparseHead` computes the logits of just those columns (one gather of
-head-weight rows, one matmul, padded to a multiple of 64 columns: bitwise the
-values the full head gives there) into a step-sized buffer
-that is -inf everywhere else. Downstream (penalties, masks, bans, the draw,
+ids; `SparseHead` computes the logits of just those columns (the LM head's
+column form, lm_head.py: one gather of head-weight rows and one matmul,
+bitwise the values the full head gives there) into a step-sized buffer that
+is -inf everywhere else. Downstream (penalties, masks, bans, the draw,
 logprobs) reads a constrained row only at its allowed ids (masking.py hands
 allowed-id lists to the sampler as candidates), so the distribution drawn
 from is exactly the full head's + mask; tests/test_sparse_head.py pins it.
 
 Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32): the full
-head takes 16 ms at 1 row and 30-55 ms at 32 rows; 1,000 columns take
-0.1-0.5 ms, 5,000 about 2.5 ms, 20,000 10-13 ms, hence MAX_SPARSE_IDS.
+head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
+0.1-0.5 ms, 8,192 1.3-2.5 ms, 20,000 10-13 ms, hence MAX_SPARSE_IDS.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from inference_svc.lm_head import LmHead
 from shared.codec import SparseMask
 
 # Union of the step's allowed ids above which the full head is computed instead: at 8,192 columns the
 # gather + matmul costs about a quarter of the full head at one row (less at more rows).
 MAX_SPARSE_IDS = 8192
-
-# Columns computed in multiples of this: with MKL (torch's CPU BLAS here) a matmul over 1-3, 7, 9, 15, 17,
-# 31, 33, ... columns rounds some logits 1 ulp away from the full head's; over multiples of 64 it matched
-# the full head bitwise for every width and row count tried (tests/test_sparse_head.py pins it).
-COLUMN_QUANTUM = 64
 
 # (row, mask as it came: SparseMask or None when dense) per constrained row, as RowPlan.masked holds them.
 Masked = Sequence[tuple[int, SparseMask | None]]
@@ -63,7 +59,7 @@ def head_ids(sample: Sequence[int], masked: Masked, vocab_size: int,
 
 
 class SparseHead:
-    """An LM head (weight [V, H], optional bias) computed over chosen columns into a reused -inf buffer.
+    """An LM head (lm_head.py, with exact columns) computed over chosen columns into a reused -inf buffer.
 
     The buffer is handed out as the step's logits and reused next step: the
     columns written last time are set back to -inf first. Whatever the
@@ -72,9 +68,11 @@ class SparseHead:
     buffer never needs refilling.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int):
-        self.weight = weight
-        self.bias = bias
+    def __init__(self, head: LmHead, max_rows: int):
+        if not head.exact_columns:
+            raise ValueError(f"the {head.name} LM head has no exact column form on this machine")
+        self.head = head
+        self.weight = head.kernel.weight
         self._rows = max_rows
         self._buffer: torch.Tensor | None = None  # allocated on first use: a server that never qualifies pays nothing
         self._written: torch.Tensor | None = None  # the columns last written
@@ -93,12 +91,6 @@ class SparseHead:
         out = self._buffer[:rows]
         if ids.size:
             at = torch.from_numpy(ids).to(self.weight.device)
-            # Padded to a multiple of COLUMN_QUANTUM columns (with id 0, dropped after): MKL computes a
-            # handful of columns with other kernels whose sums round differently (1 ulp) from the full head's.
-            pad = -ids.size % COLUMN_QUANTUM
-            cols = torch.cat([at, at.new_zeros(pad)]) if pad else at
-            bias = self.bias.index_select(0, cols) if self.bias is not None else None
-            values = torch.nn.functional.linear(hidden, self.weight.index_select(0, cols), bias)
-            out.index_copy_(1, at, values[:, :ids.size].float())
+            out.index_copy_(1, at, self.head.columns(hidden, at))
             self._written = at
         return out
