@@ -9,7 +9,11 @@ run as they would), one float32 row per chunk with needs_logits, and a call
 that returns no sooner than step_time_s (+ per_token_time_s per token) after
 it started. Rows are copied from a pool drawn once at start-up, because
 drawing 32 x 129k normals per step would itself take longer than a
-simulated GPU step; the copy is fresh, so callers may mask it in place.
+simulated GPU step. The copy goes into one of two buffers kept across steps
+(a step's logits stay valid through the next step's forward, and callers may
+mask them in place): a fresh 16 MB tensor a step costs page faults, and the
+copy took 3 ms at 32 rows on a 2-core Xeon that way, more than a simulated
+2 ms step (docs/benchmarks.md, "The simulated runner's copy").
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class SimulatedRunner:
         self._blocks = BlockManager(num_blocks, block_size)
         self._generator = torch.Generator().manual_seed(seed)
         self._pool = torch.randn(pool_rows, vocab_size, generator=self._generator)
+        self._buffers = [torch.empty(0, vocab_size), torch.empty(0, vocab_size)]
+        self._turn = 0
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +68,10 @@ class SimulatedRunner:
         validate_batch(batch, self._blocks)
         rows = sum(1 for c in batch.chunks if c.needs_logits)
         pick = torch.randint(self._pool.shape[0], (rows,), generator=self._generator)
-        logits = self._pool.index_select(0, pick)
+        self._turn ^= 1
+        if self._buffers[self._turn].shape[0] < rows:
+            self._buffers[self._turn] = torch.empty(rows, self._vocab_size)
+        logits = torch.index_select(self._pool, 0, pick, out=self._buffers[self._turn][:rows])
         deadline = started + self.step_time_s + self.per_token_time_s * batch.num_tokens
         while (remaining := deadline - time.perf_counter()) > 0:
             time.sleep(remaining)

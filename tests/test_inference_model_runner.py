@@ -161,7 +161,11 @@ def test_simulated_runner_shapes_and_step_time():
     logits = runner.forward(batch)
     assert time.perf_counter() - started >= 0.02
     assert logits.shape == (2, 1000) and logits.dtype == torch.float32
+    kept = logits.clone()
+    following = runner.forward(batch)
+    assert torch.equal(logits, kept), "a step's logits must stay valid through the next step's forward"
     logits.fill_(float("-inf"))  # a caller masking in place must not poison later steps
-    assert torch.isfinite(runner.forward(batch)).all()
+    following.fill_(float("-inf"))
+    assert torch.isfinite(runner.forward(batch)).all() and torch.isfinite(runner.forward(batch)).all()
     with pytest.raises(ValueError, match="reserved"):
         runner.forward(StepBatch.of([SequenceChunk("b", (7, 8), 0)]))
