@@ -1,4 +1,4 @@
-"""The LM head's kernels: the column form bitwise the full head, the packed kernel the model's own head.
+"""The LM head's kernels: the column form bitwise the full head, the packed kernel the model's own head; the flag.
 
 At the embedded model's head shape (129,280 x 256): the CPU's kernels are
 picked by shape, so narrow column counts and one row are where a column form
@@ -7,11 +7,17 @@ could round differently from the full head (lm_head.py).
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
 
+from inference_svc import config as iconfig
+from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.lm_head import LmHead, PackedKernel, PlainKernel
+from inference_svc.model_loading import load_model
+from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.sparse_head import SparseHead
 
 VOCAB = 129_280
@@ -99,3 +105,57 @@ def test_a_kernel_whose_columns_differ_is_refused(weight, monkeypatch):
         head.columns(torch.zeros(1, WIDTH), torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="no exact column form"):
         SparseHead(head, max_rows=4)
+
+
+TINY = EmbeddedModelSpec(name="lm-head-tiny", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return ensure_embedded_model(tmp_path_factory.mktemp("lm-head-model"), TINY, progress=None)
+
+
+@pytest.mark.parametrize("packed, want", [
+    pytest.param(True, "onednn_packed", id="auto"),
+    pytest.param(False, "plain", id="plain"),
+])
+def test_runner_computes_the_models_head_with_the_chosen_kernel(tiny_model_dir, packed, want):
+    model, _ = load_model(tiny_model_dir, "cpu")
+    if packed and not PackedKernel.available(model.get_output_embeddings().weight):
+        pytest.skip("this torch has no oneDNN")
+    # The model's own forward (its lm_head module, F.linear), before the runner takes the model over.
+    with torch.inference_mode():
+        reference = model(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1:].float()
+    runner = PagedModelRunner.create(model, block_size=4, num_blocks=64, packed_head=packed)
+    assert runner.lm_head.name == want and runner.splits_head
+    runner.block_manager.allocate("a", 3)
+    logits = runner.forward(StepBatch.of([SequenceChunk("a", (5, 6, 7), 0)]))
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tensor_parallel_runner_leaves_the_head_to_the_model(tiny_model_dir):
+    # A sharded head gathers its output in its own hooks: the runner must not compute it from the local shard.
+    model, _ = load_model(tiny_model_dir, "cpu")
+    runner = PagedModelRunner.create(model, block_size=4, num_blocks=64, tp_size=2)
+    assert runner.lm_head is None and not runner.splits_head
+
+
+def _config(argv: list[str], env: dict[str, str] | None = None) -> iconfig.InferenceServiceConfig:
+    parser = argparse.ArgumentParser()
+    iconfig.add_arguments(parser, env or {})
+    return iconfig.from_args(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    pytest.param([], {}, "auto", id="default"),
+    pytest.param(["--lm-head-kernel", "plain"], {}, "plain", id="flag"),
+    pytest.param([], {"STRUCTD_INFERENCE_LM_HEAD_KERNEL": "plain"}, "plain", id="env"),
+])
+def test_lm_head_kernel_flag(argv, env, want):
+    assert _config(argv, env).lm_head_kernel == want
+
+
+def test_unknown_lm_head_kernel_is_refused():
+    with pytest.raises(SystemExit, match="--lm-head-kernel onednn: use auto, plain"):
+        _config(["--lm-head-kernel", "onednn"])
