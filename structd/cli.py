@@ -102,6 +102,11 @@ BENCHMARKS = [
      "compiled-body: the compiled model body (--compile) vs the eager one, interleaved",
      "The embedded model's forward at decode N = 1, 5, 8, 32 and a 128-token prefill, eager and each compile mode "
      "alternating rep by rep in one process: medians, eager/compiled ratios and greedy agreement."),
+    ("lm-head", "structd.bench.lm_head",
+     "lm-head: the LM head's kernels (F.linear vs oneDNN over the reordered weight) at 1 to 64 rows, interleaved",
+     "The embedded model's 129,280 x 256 head at 1 to 64 rows with each kernel of inference_svc/lm_head.py, "
+     "alternating rep by rep in one process: medians, the ratio, whether each column form is bitwise its full "
+     "head; --vllm-python adds vLLM's own CPU kernel for reference."),
     ("step-context", "structd.bench.step_context",
      "step-context: host time to build a step's inputs and attention context, old builder vs current",
      "The builder of --old-rev (loaded from git) and the working tree's on the same batches, alternating call by "

