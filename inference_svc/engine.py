@@ -28,7 +28,9 @@ With `--sparse-head on` and a runner that splits (the paged model), a step
 with constrained rows runs the model body alone in 3; if the grammar has
 answered by then, the step is planned first and, when every row to sample
 has a short allowed-id list, the LM head is computed at those ids only
-(sparse_head.py); otherwise the full head runs at once, as before.
+(sparse_head.py); when at most half of them need every logit and the head's
+rows are independent (the oneDNN head), those rows get the full head and the
+rest their ids (the partial head); otherwise the full head runs at once.
 
 A jump-forward answer (forced tokens, already accepted by the grammar) makes
 that row's logits stale: the row is not sampled, the forced tokens join the
@@ -66,7 +68,7 @@ from inference_svc.response_text import Piece, ResponseText
 from inference_svc.sampling import RowLogprobs, RowSampler, SamplingOptions, TokenLogprob, TopLogprob
 from inference_svc.schema_check import FinalChecks, wants_check
 from inference_svc.scheduler import ScheduledStep, Scheduler
-from inference_svc.sparse_head import head_ids
+from inference_svc.sparse_head import head_plan
 from inference_svc.step_sampler import Drawn, RowPlan, StepSampler
 from shared import errors
 from shared.codec import words_for_vocab
@@ -145,6 +147,8 @@ class Engine:
         # The body and the LM head as two calls, so a step's head can be computed at its allowed ids only
         # (sparse_head.py); runners that cannot split (simulated, tensor-parallel) keep the one forward.
         self._split_head = config.sparse_head and getattr(runner, "splits_head", False)
+        # ... and some rows in full, the rest at their ids, where the head's rows are independent (lm_head.py).
+        self._partial_head = self._split_head and getattr(runner, "partial_head", False)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -395,12 +399,15 @@ class Engine:
         if split:
             # `logits` holds the body's hidden states: the head waits for nothing, so unless the grammar has
             # answered already it runs in full now (the answers keep arriving meanwhile, as they did).
-            hidden, path = logits, "full_late"
+            hidden, path, head = logits, "full_late", self.runner.head
             if pending.answered:
                 plan = self._timed_plan(sampled, await self._answers(pending, rows, forward_done))
-                ids = head_ids(plan.sample, plan.masked, self.tok_vocab_size)
-                path = "full_needed" if ids is None else "sparse"
-            head = self.runner.head if path != "sparse" else functools.partial(self.runner.sparse_head, ids=ids)
+                chosen = head_plan(plan.sample, plan.masked, self.tok_vocab_size, partial=self._partial_head)
+                if chosen is None:
+                    path = "full_needed"
+                else:
+                    path = "partial" if chosen.full_rows.size else "sparse"
+                    head = functools.partial(self.runner.sparse_head, ids=chosen.ids, full_rows=chosen.full_rows)
             try:
                 logits = await asyncio.get_running_loop().run_in_executor(self._executor, head, hidden)
             except Exception:

@@ -15,7 +15,10 @@ there (the draws and logprobs do not change). Each kernel has a column form
 that is, on the machines measured: oneDNN over the plain gathered rows
 (a row's result does not depend on the batch, but the one-row and
 one-column kernels round differently, so those are computed as two); MKL
-over a multiple of 64 columns. Because that is a property of
+over a multiple of 64 columns. The oneDNN head's rows are also independent
+of each other (MKL's are not: its kernels change with the row count), so a
+step can compute the full head for the rows that need every logit and
+columns only for the others (the partial head, sparse_head.py). Because that is a property of
 the kernels a CPU picks, not a promise, `LmHead.create` checks it on the
 real weight at start-up and steps down: packed -> plain -> plain without a
 column form (the engine then never uses the sparse head).
@@ -38,6 +41,9 @@ COLUMN_QUANTUM = 64
 # odd, one quantum, wide).
 CHECK_ROWS = (1, 3, 16)
 CHECK_WIDTHS = (1, 7, 64, 1000)
+# ... and whether rows are independent: subsets of a 24-row batch.
+CHECK_BATCH = 24
+CHECK_SUBSETS = (1, 2, 5, 13)
 
 
 class PlainKernel:
@@ -94,11 +100,13 @@ class PackedKernel:
 
 class LmHead:
     """`full(hidden)`: float32 logits [rows, V]; `columns(hidden, cols)`: the same values at `cols` (sorted
-    int64) alone, when `exact_columns`."""
+    int64) alone, when `exact_columns`; `rows_independent`: a row's logits are the same whichever rows are
+    computed with it (so some rows of a step may get the full head and the others columns only)."""
 
-    def __init__(self, kernel, exact_columns: bool):
+    def __init__(self, kernel, exact_columns: bool, rows_independent: bool = False):
         self.kernel = kernel
         self.exact_columns = exact_columns
+        self.rows_independent = rows_independent
 
     @property
     def name(self) -> str:
@@ -116,7 +124,7 @@ class LmHead:
         kernels.append(PlainKernel(weight, bias))
         for kernel in kernels:
             if _columns_match(kernel, weight):
-                return cls(kernel, exact_columns=True)
+                return cls(kernel, exact_columns=True, rows_independent=_rows_match(kernel, weight))
             log.warning("LM head: the %s kernel's column form is not bitwise its full head on this machine",
                         kernel.name)
         log.warning("LM head: no kernel computes exact columns here; the sparse head is off")
@@ -131,6 +139,19 @@ class LmHead:
         if not self.exact_columns:
             raise RuntimeError("this LM head has no exact column form on this machine (see the start-up log)")
         return self.kernel.columns(hidden, cols).float()
+
+
+@torch.inference_mode()
+def _rows_match(kernel, weight: torch.Tensor) -> bool:
+    """Whether a row's full head is the same computed alone, in a few rows, or in a step's worth."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(CHECK_BATCH, weight.shape[1], generator=g).to(dtype=weight.dtype, device=weight.device)
+    full = kernel.full(hidden)
+    for rows in CHECK_SUBSETS:
+        pick = torch.randperm(CHECK_BATCH, generator=g)[:rows].sort().values.to(weight.device)
+        if not torch.equal(kernel.full(hidden.index_select(0, pick)), full.index_select(0, pick)):
+            return False
+    return True
 
 
 @torch.inference_mode()

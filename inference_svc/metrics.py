@@ -22,6 +22,10 @@ HOST_PHASE_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3
 HOST_PHASES = ("schedule", "grammar_send", "plan", "sample", "emit")
 
 
+# inference_svc_lm_head_steps_total's paths (the benchmark's report reads the same list).
+LM_HEAD_PATHS = ("sparse", "partial", "full_late", "full_needed", "full")
+
+
 class InferenceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -105,11 +109,12 @@ class InferenceMetrics:
             registry=r)
         self.lm_head_steps = Counter(
             "inference_svc_lm_head_steps_total",
-            "Steps by how their LM head ran: sparse (allowed ids only), full_late (the grammar had not answered "
-            "when the model body finished), full_needed (a sampled row needs the whole vocabulary, or the allowed "
+            "Steps by how their LM head ran: sparse (allowed ids only), partial (the rows that need the whole "
+            "vocabulary in full, the others at their allowed ids), full_late (the grammar had not answered "
+            "when the model body finished), full_needed (too many rows need the whole vocabulary, or the allowed "
             "ids are too many), full (no split tried: no constrained row, --sparse-head off, or the model "
             "does not split).", ["path"], registry=r)
-        for path in ("sparse", "full_late", "full_needed", "full"):
+        for path in LM_HEAD_PATHS:
             self.lm_head_steps.labels(path)
         self.step_host = Histogram(
             "inference_svc_step_host_seconds",

@@ -176,9 +176,15 @@ class PagedModelRunner:
         """float32 logits of `forward_body`'s rows: `forward`'s output, split in two."""
         return self.lm_head.full(hidden)
 
-    def sparse_head(self, hidden: torch.Tensor, ids) -> torch.Tensor:
-        """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere (see sparse_head.py)."""
-        return self._head.logits(hidden, ids)
+    @property
+    def partial_head(self) -> bool:
+        """Whether `sparse_head` may compute some rows in full (the head's rows are independent)."""
+        return self._head is not None and self.lm_head.rows_independent
+
+    def sparse_head(self, hidden: torch.Tensor, ids, full_rows=None) -> torch.Tensor:
+        """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere, and in full for the
+        logit rows `full_rows` (see sparse_head.py)."""
+        return self._head.logits(hidden, ids, full_rows)
 
     @torch.inference_mode()
     def forward_with_tables(self, batch: StepBatch, tables: torch.Tensor, head: bool = True) -> torch.Tensor:

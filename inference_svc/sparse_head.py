@@ -2,7 +2,7 @@
 
 structd has the grammar's masks while the model body runs (engine.py), so a
 step whose every sampled row is constrained to a short allowed-id list (or
-forced, or finished) needs only those logits. `head_ids` decides from the
+forced, or finished) needs only those logits. `head_plan` decides from the
 step's plan whether it qualifies and returns the union of the rows' allowed
 ids; `SparseHead` computes the logits of just those columns (the LM head's
 column form, lm_head.py: one gather of head-weight rows and one matmul,
@@ -12,6 +12,12 @@ logprobs) reads a constrained row only at its allowed ids (masking.py hands
 allowed-id lists to the sampler as candidates), so the distribution drawn
 from is exactly the full head's + mask; tests/test_sparse_head.py pins it.
 
+The partial head: where the head's rows are independent of each other (the
+oneDNN head, lm_head.py), a step with a few rows that need every logit
+(unconstrained, inside a JSON string, a dense mask) computes the full head
+for those rows only and columns for the rest: at N = 32 most constrained
+steps have such a row, so the sparse head alone rarely applied there.
+
 Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32): the full
 head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
 0.1-0.5 ms, 8,192 1.3-2.5 ms, 20,000 10-13 ms, hence MAX_SPARSE_IDS.
@@ -20,6 +26,7 @@ head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,37 +42,57 @@ MAX_SPARSE_IDS = 8192
 Masked = Sequence[tuple[int, SparseMask | None]]
 
 
-def head_ids(sample: Sequence[int], masked: Masked, vocab_size: int,
-             max_ids: int = MAX_SPARSE_IDS) -> np.ndarray | None:
-    """The sorted union of the allowed ids of the rows to sample, or None when some row needs the full head.
+@dataclass(frozen=True)
+class HeadPlan:
+    """What a step's head computes: every column for `full_rows` (logit rows, sorted), and the columns `ids`
+    (sorted union of the other sampled rows' allowed ids) for the rest."""
 
-    A row needs the full head when it is unconstrained, or its mask came
-    dense or as a list of disallowed ids; the step does when the union
-    exceeds max_ids. No rows to sample: an empty union (no head at all).
+    ids: np.ndarray
+    full_rows: np.ndarray
+
+
+def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial: bool = False,
+              max_ids: int = MAX_SPARSE_IDS) -> HeadPlan | None:
+    """The step's head plan, or None when it is the full head over every row.
+
+    A row needs every column when it is unconstrained, or its mask came
+    dense or as a list of disallowed ids. Without `partial` (a head whose
+    rows are not independent) such a row means the full head; with it, those
+    rows get the full head and the rest their columns, as long as they are at
+    most half the rows to sample (a full head over k rows costs about as much
+    as over 2k at these sizes: docs/benchmarks.md). A union of allowed ids
+    over max_ids means the full head. No rows to sample: an empty plan (no
+    head at all).
     """
     forms = dict(masked)
     hit = None
+    full = []
     for row in sample:
         form = forms.get(row)
         if form is None or not form.allow:
-            return None
+            if not partial:
+                return None
+            full.append(row)
+            continue
         if hit is None:
             hit = np.zeros(vocab_size, dtype=np.bool_)
         hit[form.ids[form.ids < vocab_size]] = True
-    if hit is None:
-        return np.empty(0, dtype=np.int64)
-    union = np.flatnonzero(hit)
-    return union if union.size <= max_ids else None
+    if full and 2 * len(full) > len(sample):
+        return None
+    union = np.flatnonzero(hit) if hit is not None else np.empty(0, dtype=np.int64)
+    if union.size > max_ids:
+        return None
+    return HeadPlan(union, np.array(sorted(full), dtype=np.int64))
 
 
 class SparseHead:
     """An LM head (lm_head.py, with exact columns) computed over chosen columns into a reused -inf buffer.
 
     The buffer is handed out as the step's logits and reused next step: the
-    columns written last time are set back to -inf first. Whatever the
-    sampler writes in place elsewhere is -inf already (bans, padding) or
-    stays -inf (a repetition penalty scales -inf to -inf), so the rest of the
-    buffer never needs refilling.
+    columns and the full rows written last time are set back to -inf first.
+    Whatever the sampler writes in place elsewhere is -inf already (bans,
+    padding) or stays -inf (a repetition penalty scales -inf to -inf), so the
+    rest of the buffer never needs refilling.
     """
 
     def __init__(self, head: LmHead, max_rows: int):
@@ -76,21 +103,32 @@ class SparseHead:
         self._rows = max_rows
         self._buffer: torch.Tensor | None = None  # allocated on first use: a server that never qualifies pays nothing
         self._written: torch.Tensor | None = None  # the columns last written
+        self._written_rows: torch.Tensor | None = None  # the rows last written in full
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
-        """float32 logits [rows, V]: the head's values at `ids` (sorted int64), -inf elsewhere."""
+    def logits(self, hidden: torch.Tensor, ids: np.ndarray, full_rows: np.ndarray | None = None) -> torch.Tensor:
+        """float32 logits [rows, V]: the head's values at `ids` (sorted int64), -inf elsewhere; the rows
+        `full_rows` (sorted logit-row indices) in full, when the head's rows are independent."""
         rows = hidden.shape[0]
         if self._buffer is None or rows > self._buffer.shape[0]:
             self._buffer = torch.full((max(rows, self._rows), self.weight.shape[0]), float("-inf"),
                                       dtype=torch.float32, device=self.weight.device)
-            self._written = None
+            self._written = self._written_rows = None
         if self._written is not None:
             self._buffer.index_fill_(1, self._written, float("-inf"))
             self._written = None
+        if self._written_rows is not None:
+            self._buffer.index_fill_(0, self._written_rows, float("-inf"))
+            self._written_rows = None
         out = self._buffer[:rows]
         if ids.size:
             at = torch.from_numpy(ids).to(self.weight.device)
             out.index_copy_(1, at, self.head.columns(hidden, at))
             self._written = at
+        if full_rows is not None and full_rows.size:
+            if not self.head.rows_independent:
+                raise ValueError(f"the {self.head.name} LM head's rows depend on each other: no partial head")
+            picked = torch.from_numpy(full_rows).to(self.weight.device)
+            out.index_copy_(0, picked, self.head.full(hidden.index_select(0, picked)))
+            self._written_rows = picked
         return out

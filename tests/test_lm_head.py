@@ -80,7 +80,20 @@ def test_create_picks_the_packed_kernel_on_a_cpu_with_onednn(weight):
     head = LmHead.create(weight)
     assert head.exact_columns
     assert head.name == ("onednn_packed" if PackedKernel.available(weight) else "plain")
+    # The partial head needs it; the start-up check found it on the CPUs measured (MKL's rows depend on
+    # the row count, so the plain head's answer is the machine's).
+    assert head.rows_independent or head.name == "plain"
     assert LmHead.create(weight, packed=False).name == "plain"
+
+
+def test_a_head_whose_rows_depend_on_each_other_computes_no_partial_head(weight):
+    head = LmHead(PlainKernel(weight, None), exact_columns=True, rows_independent=False)
+    sparse = SparseHead(head, max_rows=4)
+    hidden = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(8))
+    ids = ids_of(np.random.default_rng(8), 10)
+    sparse.logits(hidden, ids)  # columns alone are fine
+    with pytest.raises(ValueError, match="depend on each other"):
+        sparse.logits(hidden, ids, np.array([1]))
 
 
 class _RoundsColumnsDifferently(PlainKernel):

@@ -1,4 +1,5 @@
-"""The LM head at the allowed ids only: which steps qualify, and the same draws and logprobs as the full head.
+"""The LM head at the allowed ids only (and the partial head): which steps qualify, and the same draws and
+logprobs as the full head.
 
 A real (tiny, random-weight) embedded model on the 129k vocabulary: its body
 runs once per case, then the step is sampled twice with identically seeded
@@ -16,7 +17,7 @@ from inference_svc.model_loading import load_model
 from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
 from inference_svc.sampling import RowSampler, SamplingOptions
-from inference_svc.sparse_head import MAX_SPARSE_IDS, head_ids
+from inference_svc.sparse_head import MAX_SPARSE_IDS, head_plan
 from inference_svc.step_sampler import RowPlan, StepSampler
 from shared.codec import SparseMask, words_for_vocab
 
@@ -75,11 +76,6 @@ def draw(sampler: StepSampler, logits: torch.Tensor, plan: RowPlan, opts: list[S
     return sampler.sample(logits.clone(), plan, [RowSampler(o) for o in (opts[i] for i in plan.sample)])
 
 
-def make_sampler(rows: int) -> StepSampler:
-    bitmask = torch.zeros((rows, words_for_vocab(VOCAB)), dtype=torch.int32)
-    return StepSampler(VOCAB, [EOS], bitmask, bitmask)
-
-
 def test_body_then_head_is_the_forward(runner):
     hidden, full = body(runner, 6, seed=1)
     assert torch.equal(runner.head(hidden), full)
@@ -107,56 +103,103 @@ CASES = [
                  id="min_tokens-eos-ban"),
     pytest.param(dict(temperature=1.0), {"forced": True}, id="forced-rows"),
 ]
+# Rows that need every logit (the partial head computes them in full): a disallowed-id list, a dense mask,
+# an unconstrained row.
+FULL_ROWS = {2: "disallowed", 5: "dense", 6: "unconstrained"}
 
 
-@pytest.mark.parametrize("opts, shape", CASES)
-def test_same_draws_and_logprobs_as_the_full_head(runner, opts, shape):
-    rows = 8
-    rng = np.random.default_rng(abs(hash(str(opts))) % 2**32)
-    hidden, full = body(runner, rows, seed=3)
+def step_plan(rng: np.random.Generator, rows: int, shape: dict, bitmask: torch.Tensor, partial: bool) -> RowPlan:
     plan = RowPlan()
     forced = {1, 4} if shape.get("forced") else set()
     for i in range(rows):
         if i in forced:
             plan.forced[i] = [5, 6]
             continue
-        mask = allowed(rng, int(rng.integers(1, 600)))
-        if shape.get("eos"):
-            mask = SparseMask(True, np.union1d(mask.ids, [EOS]).astype(np.int64))
         plan.sample.append(i)
-        plan.masked.append((i, mask))
+        kind = FULL_ROWS.get(i) if partial else None
+        if kind == "disallowed":
+            plan.masked.append((i, SparseMask(False, allowed(rng, 20_000).ids)))
+        elif kind == "dense":
+            bits = torch.from_numpy(rng.integers(-2**31, 2**31, bitmask.shape[1]).astype(np.int32))
+            bitmask[i] = bits
+            plan.masked.append((i, None))
+        elif kind is None:
+            mask = allowed(rng, int(rng.integers(1, 600)))
+            if shape.get("eos"):
+                mask = SparseMask(True, np.union1d(mask.ids, [EOS]).astype(np.int64))
+            plan.masked.append((i, mask))
         if shape.get("penalties"):
             plan.penalties.append((i, rng.choice(VOCAB, 300, replace=False).astype(np.int64), 1.7))
         if shape.get("before_min_tokens"):
             plan.before_min_tokens.append(i)
-    ids = head_ids(plan.sample, plan.masked, VOCAB)
-    assert ids is not None and ids.size <= MAX_SPARSE_IDS
-    sampler = make_sampler(rows)
+    return plan
+
+
+@pytest.mark.parametrize("partial", [pytest.param(False, id="sparse"), pytest.param(True, id="partial")])
+@pytest.mark.parametrize("opts, shape", CASES)
+def test_same_draws_and_logprobs_as_the_full_head(runner, opts, shape, partial):
+    rows = 8
+    if partial:
+        assert runner.partial_head, "the CPU's oneDNN head should have independent rows"
+    rng = np.random.default_rng(abs(hash(str(opts))) % 2**32)
+    hidden, full = body(runner, rows, seed=3)
+    bitmask = torch.zeros((rows, words_for_vocab(VOCAB)), dtype=torch.int32)
+    plan = step_plan(rng, rows, shape, bitmask, partial)
+    chosen = head_plan(plan.sample, plan.masked, VOCAB, partial=partial)
+    assert chosen is not None and chosen.ids.size <= MAX_SPARSE_IDS
+    assert chosen.full_rows.tolist() == (sorted(FULL_ROWS) if partial else [])
+    sampler = StepSampler(VOCAB, [EOS], bitmask, bitmask)
     per_row = [options(**opts)] * rows
     want = draw(sampler, full, plan, per_row)
-    got = draw(sampler, runner.sparse_head(hidden, ids), plan, per_row)
+    got = draw(sampler, runner.sparse_head(hidden, chosen.ids, chosen.full_rows), plan, per_row)
     assert got == want
     assert all(not isinstance(t, Exception) for t in got)
 
 
+def test_the_buffer_forgets_the_last_steps_full_rows_and_columns(runner):
+    hidden, full = body(runner, 4, seed=9)
+    rng = np.random.default_rng(9)
+    first = allowed(rng, 50).ids
+    runner.sparse_head(hidden, first, np.array([1, 3]))
+    second = allowed(rng, 40).ids
+    logits = runner.sparse_head(hidden, second, np.array([0]))
+    assert torch.equal(logits[0], full[0])
+    assert torch.equal(logits[1:, second], full[1:, second])
+    rest = np.setdiff1d(np.arange(VOCAB), second)
+    assert bool(torch.isneginf(logits[1:, rest]).all())
+
+
 def test_a_step_with_no_row_to_sample_needs_no_head():
-    ids = head_ids([], [], VOCAB)
-    assert ids is not None and ids.size == 0
+    chosen = head_plan([], [], VOCAB)
+    assert chosen is not None and chosen.ids.size == 0 and chosen.full_rows.size == 0
 
 
-@pytest.mark.parametrize("masks, why", [
-    pytest.param([SparseMask(True, np.arange(10)), None], "a dense mask", id="dense-mask"),
-    pytest.param([SparseMask(True, np.arange(10)), SparseMask(False, np.arange(10))], "a disallow list",
-                 id="disallow-list"),
-    pytest.param([SparseMask(True, np.arange(10)), "unconstrained"], "an unconstrained row", id="unconstrained"),
+ALLOW = SparseMask(True, np.arange(10))
+DISALLOW = SparseMask(False, np.arange(10))
+
+
+@pytest.mark.parametrize("masks, partial, full_rows", [
+    pytest.param([ALLOW, None], False, None, id="dense-mask"),
+    pytest.param([ALLOW, DISALLOW], False, None, id="disallow-list"),
+    pytest.param([ALLOW, "unconstrained"], False, None, id="unconstrained"),
     pytest.param([SparseMask(True, np.arange(0, 2 * MAX_SPARSE_IDS, 2)),
-                  SparseMask(True, np.arange(1, 2 * MAX_SPARSE_IDS, 2))], "too many ids together", id="union-too-big"),
+                  SparseMask(True, np.arange(1, 2 * MAX_SPARSE_IDS, 2))], False, None, id="union-too-big"),
+    pytest.param([ALLOW, DISALLOW], True, [1], id="partial-half"),
+    pytest.param([ALLOW, None, "unconstrained", ALLOW, ALLOW], True, [1, 2], id="partial-two-of-five"),
+    pytest.param([ALLOW, None, "unconstrained"], True, None, id="partial-most-rows-need-all"),
+    pytest.param(["unconstrained"], True, None, id="partial-one-row-needs-all"),
+    pytest.param([SparseMask(True, np.arange(0, 2 * MAX_SPARSE_IDS, 2)), DISALLOW,
+                  SparseMask(True, np.arange(1, 2 * MAX_SPARSE_IDS, 2))], True, None, id="partial-union-too-big"),
 ])
-def test_mixed_steps_fall_back_to_the_full_head(masks, why):
+def test_which_steps_get_the_full_head(masks, partial, full_rows):
     masked = [(i, m) for i, m in enumerate(masks) if not isinstance(m, str)]
-    assert head_ids(list(range(len(masks))), masked, VOCAB) is None, why
+    chosen = head_plan(list(range(len(masks))), masked, VOCAB, partial=partial)
+    if full_rows is None:
+        assert chosen is None
+    else:
+        assert chosen.full_rows.tolist() == full_rows and chosen.ids.tolist() == list(range(10))
 
 
 def test_union_at_the_limit_qualifies():
     masks = [(0, SparseMask(True, np.arange(0, MAX_SPARSE_IDS, 2))), (1, SparseMask(True, np.arange(1, MAX_SPARSE_IDS, 2)))]
-    assert head_ids([0, 1], masks, VOCAB).tolist() == list(range(MAX_SPARSE_IDS))
+    assert head_plan([0, 1], masks, VOCAB).ids.tolist() == list(range(MAX_SPARSE_IDS))

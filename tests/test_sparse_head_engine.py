@@ -58,3 +58,35 @@ def test_sparse_and_full_head_give_the_same_output(inference_server, inference_c
     assert got.logprobs == want.logprobs
     assert got.finish_reason == want.finish_reason
     assert sparse_steps(inference_server) > before, "no step of the request took the sparse head"
+
+
+def head_steps(server, path: str) -> float:
+    return server.server.metrics.lm_head_steps.labels(path)._value.get()
+
+
+def test_a_step_whose_few_rows_need_every_logit_takes_the_partial_head(inference_server, inference_client):
+    # Three constrained requests whose masks are short allowed lists (digits) beside one unconstrained
+    # request, all at once: their steps have one row of four that needs the whole vocabulary. The rows'
+    # draws equal the full head's (tests/test_sparse_head.py); here the server must take that path and
+    # every output must still match its constraint.
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    digits = r"[0-9]{40}"
+    inference_client.complete("warm the grammar up:", max_tokens=2, regex=digits, timeout=120)
+    before = head_steps(inference_server, "partial")
+
+    def constrained(seed: int):
+        return inference_client.complete("Digits:", max_tokens=40, regex=digits, temperature=1.0, seed=seed,
+                                         timeout=120)
+
+    def unconstrained():
+        return inference_client.complete("Go on:", max_tokens=60, ignore_eos=True, timeout=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(constrained, s) for s in (1, 2, 3)] + [pool.submit(unconstrained)]
+        outputs = [f.result() for f in futures]
+    for out in outputs[:3]:
+        assert re.fullmatch(digits, out.text), out.text
+    assert len(outputs[3].token_ids) == 60
+    assert head_steps(inference_server, "partial") > before, "no step took the partial head"

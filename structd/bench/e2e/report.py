@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inference_svc.metrics import HOST_PHASES
+from inference_svc.metrics import HOST_PHASES, LM_HEAD_PATHS
 from structd.bench.grammar.report import summarize
 
 MS = 1e3
@@ -106,9 +106,9 @@ def server_deltas(before: dict, after: dict, wall: float) -> dict:
                                                   "inference_svc_generation_tokens_total{constrained=false}"),
         "forced_tokens": _delta(before, after, "inference_svc_forced_tokens_total"),
         "preemptions": _delta(before, after, "inference_svc_preemptions_total"),
-        # How each step's LM head ran (--sparse-head): sparse, full_late, full_needed, full.
+        # How each step's LM head ran (--sparse-head): sparse, partial, full_late, full_needed, full.
         "lm_head_steps": {path: _delta(before, after, f"inference_svc_lm_head_steps_total{{path={path}}}")
-                          for path in ("sparse", "full_late", "full_needed", "full")},
+                          for path in LM_HEAD_PATHS},
         # The step loop's host work per step, by phase (inference_svc_step_host_seconds): mean seconds per
         # step that ran the phase, and per row of the mean batch.
         "host_phase_mean_seconds": {phase: _mean(before, after, "inference_svc_step_host_seconds", f"phase={phase}")
