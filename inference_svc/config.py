@@ -45,6 +45,9 @@ class EngineConfig:
     # The LM head over the allowed ids only, for steps whose every sampled row has a short allowed-id list
     # (sparse_head.py; docs/benchmarks.md measures it).
     sparse_head: bool = True
+    # Greedy rows without logprobs computed at the ids a bfloat16 screen of the head keeps (greedy_head.py:
+    # the float32 argmax exactly, on CPUs with bfloat16 oneDNN; needs the sparse head's split).
+    greedy_head: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
           "on: a step whose every sampled row is constrained to a short allowed-id list computes the LM head at "
           "those ids only, when the grammar answered before the model body finished (same distribution); off: "
           "always the full head")
+    f.add("--greedy-head", "on" if e.greedy_head else "off",
+          "on: greedy rows without logprobs get the LM head only at the ids a bfloat16 screen of it keeps (the "
+          "same argmax; CPUs with bfloat16 oneDNN, with --sparse-head on); off: the float32 head for them")
     f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
     f.add("--chat-template", None, "Jinja chat template file used for messages instead of the model's own",
           kind=Path)
@@ -297,6 +303,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             schema_check_timeout_seconds=args.schema_check_timeout_seconds,
             max_prompt_bytes=args.max_prompt_bytes,
             sparse_head=parse_on_off("--sparse-head", args.sparse_head),
+            greedy_head=parse_on_off("--greedy-head", args.greedy_head),
         ),
         chat_template=Path(args.chat_template) if args.chat_template else None,
         model_family=args.model_family,

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inference_svc.config import EngineConfig
@@ -149,6 +150,9 @@ class Engine:
         self._split_head = config.sparse_head and getattr(runner, "splits_head", False)
         # ... and some rows in full, the rest at their ids, where the head's rows are independent (lm_head.py).
         self._partial_head = self._split_head and getattr(runner, "partial_head", False)
+        # ... and greedy rows at the ids a bfloat16 screen keeps (greedy_head.py), unless --greedy-head off.
+        self._greedy_head = (self._partial_head and config.greedy_head and getattr(runner, "greedy_screen", False))
+        self._eos_ids = np.array(sorted(tokenizer.eos_ids), dtype=np.int64)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -393,21 +397,23 @@ class Engine:
             started = time.perf_counter()
             pending = self.grammar.send(rows, self._bitmask_np)
             self.metrics.host_phase["grammar_send"].observe(time.perf_counter() - started)
-        split = bool(rows) and self._split_head
+        split = self._split_head and (bool(rows) or any(self._screenable(req) for req in sampled))
         logits, forward_done = await self._forward(step, pending, body_only=split)
         plan = None
         if split:
             # `logits` holds the body's hidden states: the head waits for nothing, so unless the grammar has
             # answered already it runs in full now (the answers keep arriving meanwhile, as they did).
             hidden, path, head = logits, "full_late", self.runner.head
-            if pending.answered:
-                plan = self._timed_plan(sampled, await self._answers(pending, rows, forward_done))
-                chosen = head_plan(plan.sample, plan.masked, self.tok_vocab_size, partial=self._partial_head)
+            if pending is None or pending.answered:
+                plan = self._timed_plan(sampled, await self._answers(pending, rows, forward_done) if pending else {})
+                chosen = head_plan(plan.sample, plan.masked, self.tok_vocab_size, partial=self._partial_head,
+                                   greedy=self._greedy_rows(sampled, plan))
                 if chosen is None:
                     path = "full_needed"
                 else:
-                    path = "partial" if chosen.full_rows.size else "sparse"
-                    head = functools.partial(self.runner.sparse_head, ids=chosen.ids, full_rows=chosen.full_rows)
+                    path = "partial" if chosen.full_rows.size else "screened" if chosen.screened else "sparse"
+                    head = functools.partial(self.runner.sparse_head, ids=chosen.ids, full_rows=chosen.full_rows,
+                                             screened=chosen.screened, vocab_limit=chosen.vocab_limit)
             try:
                 logits = await asyncio.get_running_loop().run_in_executor(self._executor, head, hidden)
             except Exception:
@@ -429,6 +435,19 @@ class Engine:
         phases = self.metrics.host_phase
         phases["sample"].observe(emitting - started)
         phases["emit"].observe(time.perf_counter() - emitting)
+
+    def _screenable(self, req: GenerationRequest) -> bool:
+        """A row whose draw is the argmax of its logits and nothing else (no logprobs, penalties or EOS ban
+        for min_tokens): the greedy screen may find it (greedy_head.py)."""
+        return (self._greedy_head and req.sampler.argmax_only and not req.options.wants_logprobs
+                and req.sampler.seen is None and req.num_output >= req.options.min_tokens)
+
+    def _greedy_rows(self, sampled: list[GenerationRequest], plan: RowPlan) -> dict[int, np.ndarray | None]:
+        """The plan's screenable rows -> the ids each may not take besides its mask's (a banned EOS)."""
+        if not self._greedy_head:
+            return {}
+        banned = set(plan.ban_eos)
+        return {i: (self._eos_ids if i in banned else None) for i in plan.sample if self._screenable(sampled[i])}
 
     def _timed_plan(self, sampled: list[GenerationRequest], results: dict[int, RowResult]) -> RowPlan:
         started = time.perf_counter()

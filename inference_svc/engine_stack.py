@@ -90,7 +90,8 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
     runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                                     tp_size=config.tp, packed_head=config.lm_head_kernel == "auto")
+                                     tp_size=config.tp, packed_head=config.lm_head_kernel == "auto",
+                                     greedy_screen=config.engine.greedy_head and config.engine.sparse_head)
     if (mode := config.compile_mode(device)) != "off":
         from inference_svc.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
 

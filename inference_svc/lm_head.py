@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from inference_svc.greedy_head import GreedyScreen
+
 log = logging.getLogger(__name__)
 
 # Plain kernel: columns computed in multiples of this. With MKL a matmul over 1-3, 7, 9, 15, 17, 31, 33, ...
@@ -103,18 +105,23 @@ class LmHead:
     int64) alone, when `exact_columns`; `rows_independent`: a row's logits are the same whichever rows are
     computed with it (so some rows of a step may get the full head and the others columns only)."""
 
-    def __init__(self, kernel, exact_columns: bool, rows_independent: bool = False):
+    def __init__(self, kernel, exact_columns: bool, rows_independent: bool = False,
+                 screen: GreedyScreen | None = None):
         self.kernel = kernel
         self.exact_columns = exact_columns
         self.rows_independent = rows_independent
+        # The bfloat16 screen of greedy rows (greedy_head.py): only with exact columns to finish them.
+        self.screen = screen
 
     @property
     def name(self) -> str:
         return self.kernel.name
 
     @classmethod
-    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True) -> "LmHead":
-        """The fastest kernel whose column form is checked bitwise on this machine (see the module doc)."""
+    def create(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, packed: bool = True,
+               screen: bool = True) -> "LmHead":
+        """The fastest kernel whose column form is checked bitwise on this machine (see the module doc);
+        screen: with a greedy screen where this machine has one (greedy_head.py)."""
         kernels = []
         if packed and PackedKernel.available(weight):
             try:
@@ -124,7 +131,8 @@ class LmHead:
         kernels.append(PlainKernel(weight, bias))
         for kernel in kernels:
             if _columns_match(kernel, weight):
-                return cls(kernel, exact_columns=True, rows_independent=_rows_match(kernel, weight))
+                greedy = GreedyScreen.create(weight, kernel.full) if screen and bias is None else None
+                return cls(kernel, exact_columns=True, rows_independent=_rows_match(kernel, weight), screen=greedy)
             log.warning("LM head: the %s kernel's column form is not bitwise its full head on this machine",
                         kernel.name)
         log.warning("LM head: no kernel computes exact columns here; the sparse head is off")

@@ -23,7 +23,7 @@ HOST_PHASES = ("schedule", "grammar_send", "plan", "sample", "emit")
 
 
 # inference_svc_lm_head_steps_total's paths (the benchmark's report reads the same list).
-LM_HEAD_PATHS = ("sparse", "partial", "full_late", "full_needed", "full")
+LM_HEAD_PATHS = ("sparse", "screened", "partial", "full_late", "full_needed", "full")
 
 
 class InferenceMetrics:
@@ -109,7 +109,8 @@ class InferenceMetrics:
             registry=r)
         self.lm_head_steps = Counter(
             "inference_svc_lm_head_steps_total",
-            "Steps by how their LM head ran: sparse (allowed ids only), partial (the rows that need the whole "
+            "Steps by how their LM head ran: sparse (allowed ids only), screened (greedy rows at the ids a "
+            "bfloat16 screen keeps, the others at their allowed ids), partial (the rows that need the whole "
             "vocabulary in full, the others at their allowed ids), full_late (the grammar had not answered "
             "when the model body finished), full_needed (too many rows need the whole vocabulary, or the allowed "
             "ids are too many), full (no split tried: no constrained row, --sparse-head off, or the model "

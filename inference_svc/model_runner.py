@@ -106,10 +106,12 @@ class PagedModelRunner:
     it must only be called through this runner afterwards.
     """
 
-    def __init__(self, model, kv_cache: PagedKVCache, *, own_head: bool = True, packed_head: bool = True):
+    def __init__(self, model, kv_cache: PagedKVCache, *, own_head: bool = True, packed_head: bool = True,
+                 greedy_screen: bool = True):
         """own_head=False: the model's forward computes its LM head (a tensor-parallel model's head is
         sharded, its output gathered by the layer's own hooks), and there is no sparse head; packed_head=False:
-        the head never uses the oneDNN-packed kernel (--lm-head-kernel plain)."""
+        the head never uses the oneDNN-packed kernel (--lm-head-kernel plain); greedy_screen=False: no
+        bfloat16 screen of the head (--greedy-head off)."""
         self.model = model
         self.kv_cache = kv_cache
         model.set_attn_implementation(register())
@@ -121,7 +123,7 @@ class PagedModelRunner:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # The head computed here rather than by the model's forward (a faster kernel on the CPU, lm_head.py),
         # unless the model does more after it; the sparse head where its columns are exact.
-        self.lm_head = _lm_head_for(model, packed_head) if own_head else None
+        self.lm_head = _lm_head_for(model, packed_head, greedy_screen) if own_head else None
         self._head = SparseHead(self.lm_head, max_rows=64) if self.lm_head and self.lm_head.exact_columns else None
 
     @classmethod
@@ -135,13 +137,15 @@ class PagedModelRunner:
         kv_dtype: torch.dtype | None = None,
         tp_size: int = 1,
         packed_head: bool = True,
+        greedy_screen: bool = True,
     ) -> "PagedModelRunner":
         """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes (per rank:
         under tensor parallelism each rank caches its own share of the KV heads)."""
         param = next(model.parameters())
         spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size, tp_size)
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
-        return cls(model, PagedKVCache(spec, blocks, param.device), own_head=tp_size == 1, packed_head=packed_head)
+        return cls(model, PagedKVCache(spec, blocks, param.device), own_head=tp_size == 1, packed_head=packed_head,
+                   greedy_screen=greedy_screen)
 
     @property
     def vocab_size(self) -> int:
@@ -181,10 +185,15 @@ class PagedModelRunner:
         """Whether `sparse_head` may compute some rows in full (the head's rows are independent)."""
         return self._head is not None and self.lm_head.rows_independent
 
-    def sparse_head(self, hidden: torch.Tensor, ids, full_rows=None) -> torch.Tensor:
-        """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere, and in full for the
-        logit rows `full_rows` (see sparse_head.py)."""
-        return self._head.logits(hidden, ids, full_rows)
+    @property
+    def greedy_screen(self) -> bool:
+        """Whether `sparse_head` may screen greedy rows (a bfloat16 screen on this machine, greedy_head.py)."""
+        return self.partial_head and self.lm_head.screen is not None
+
+    def sparse_head(self, hidden: torch.Tensor, ids, full_rows=None, screened=(), vocab_limit=None) -> torch.Tensor:
+        """`head` computed at the sorted int64 token ids `ids` alone, -inf elsewhere, in full for the logit
+        rows `full_rows`, and at the screen's candidates for `screened` rows (see sparse_head.py)."""
+        return self._head.logits(hidden, ids, full_rows, screened, vocab_limit)
 
     @torch.inference_mode()
     def forward_with_tables(self, batch: StepBatch, tables: torch.Tensor, head: bool = True) -> torch.Tensor:
@@ -221,7 +230,7 @@ class PagedModelRunner:
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _lm_head_for(model, packed: bool) -> LmHead | None:
+def _lm_head_for(model, packed: bool, screen: bool) -> LmHead | None:
     """The model's output embedding as an LmHead, or None when its forward does more than that (or its
     layout is not the usual body + lm_head), so the runner keeps to the model's own forward."""
     head = model.get_output_embeddings()
@@ -229,6 +238,7 @@ def _lm_head_for(model, packed: bool) -> LmHead | None:
         return None
     if any(getattr(model.config, name, None) not in (None, 1.0) for name in _LOGIT_POSTPROCESSING):
         return None
-    lm_head = LmHead.create(head.weight, head.bias, packed=packed)
-    log.info("LM head: %s kernel%s", lm_head.name, "" if lm_head.exact_columns else " (no sparse head)")
+    lm_head = LmHead.create(head.weight, head.bias, packed=packed, screen=screen)
+    log.info("LM head: %s kernel%s%s", lm_head.name, "" if lm_head.exact_columns else " (no sparse head)",
+             ", bfloat16 greedy screen" if lm_head.screen is not None else "")
     return lm_head

@@ -25,7 +25,7 @@ head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,32 +44,49 @@ Masked = Sequence[tuple[int, SparseMask | None]]
 
 @dataclass(frozen=True)
 class HeadPlan:
-    """What a step's head computes: every column for `full_rows` (logit rows, sorted), and the columns `ids`
-    (sorted union of the other sampled rows' allowed ids) for the rest."""
+    """What a step's head computes: every column for `full_rows` (logit rows, sorted); for `screened` rows
+    (greedy rows without logprobs, with the ids each may not take) the ids a bfloat16 screen keeps
+    (greedy_head.py); and the columns `ids` (sorted union of the other sampled rows' allowed ids) for the
+    rest. `vocab_limit`: ids at or past it are no token (a padded head)."""
 
     ids: np.ndarray
     full_rows: np.ndarray
+    screened: tuple[tuple[int, np.ndarray | None], ...] = ()
+    vocab_limit: int | None = None
 
 
 def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial: bool = False,
+              greedy: Mapping[int, np.ndarray | None] | None = None,
               max_ids: int = MAX_SPARSE_IDS) -> HeadPlan | None:
     """The step's head plan, or None when it is the full head over every row.
 
     A row needs every column when it is unconstrained, or its mask came
-    dense or as a list of disallowed ids. Without `partial` (a head whose
-    rows are not independent) such a row means the full head; with it, those
-    rows get the full head and the rest their columns, as long as they are at
-    most half the rows to sample (a full head over k rows costs about as much
-    as over 2k at these sizes: docs/benchmarks.md). A union of allowed ids
-    over max_ids means the full head. No rows to sample: an empty plan (no
-    head at all).
+    dense or as a list of disallowed ids, unless it is in `greedy` (row ->
+    ids it may not take besides its disallowed ones, e.g. a banned EOS; None:
+    none): then an unconstrained row or one with a disallowed list is
+    screened instead. Without `partial` (a head whose rows are not
+    independent) a row needing every column means the full head; with it,
+    those rows get the full head and the rest their columns, as long as they
+    are at most half the rows to sample (a full head over k rows costs about
+    as much as over 2k at these sizes: docs/benchmarks.md). A union of
+    allowed ids over max_ids means the full head. No rows to sample: an
+    empty plan (no head at all).
     """
     forms = dict(masked)
+    greedy = greedy or {}
     hit = None
     full = []
+    screened = []
     for row in sample:
-        form = forms.get(row)
-        if form is None or not form.allow:
+        form = forms.get(row, _UNCONSTRAINED)
+        if form is None or form is _UNCONSTRAINED or not form.allow:
+            if row in greedy and form is not None and partial:
+                extra = greedy[row]
+                banned = form.ids if form is not _UNCONSTRAINED else None
+                if banned is not None and extra is not None:
+                    banned = np.union1d(banned, extra)
+                screened.append((row, banned if banned is not None else extra))
+                continue
             if not partial:
                 return None
             full.append(row)
@@ -82,7 +99,11 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     union = np.flatnonzero(hit) if hit is not None else np.empty(0, dtype=np.int64)
     if union.size > max_ids:
         return None
-    return HeadPlan(union, np.array(sorted(full), dtype=np.int64))
+    return HeadPlan(union, np.array(sorted(full), dtype=np.int64), tuple(screened), vocab_size)
+
+
+# A sampled row with no entry in `masked`.
+_UNCONSTRAINED = SparseMask(False, np.empty(0, dtype=np.int64))
 
 
 class SparseHead:
@@ -106,10 +127,15 @@ class SparseHead:
         self._written_rows: torch.Tensor | None = None  # the rows last written in full
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, ids: np.ndarray, full_rows: np.ndarray | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, ids: np.ndarray, full_rows: np.ndarray | None = None,
+               screened: Sequence[tuple[int, np.ndarray | None]] = (), vocab_limit: int | None = None) -> torch.Tensor:
         """float32 logits [rows, V]: the head's values at `ids` (sorted int64), -inf elsewhere; the rows
-        `full_rows` (sorted logit-row indices) in full, when the head's rows are independent."""
+        `full_rows` (sorted logit-row indices) in full, when the head's rows are independent; the `screened`
+        rows (row, ids it may not take) at the ids the greedy screen keeps (greedy_head.py), or in full
+        where it cannot answer."""
         rows = hidden.shape[0]
+        if screened:
+            ids, full_rows = self._screen(hidden, ids, full_rows, screened, vocab_limit)
         if self._buffer is None or rows > self._buffer.shape[0]:
             self._buffer = torch.full((max(rows, self._rows), self.weight.shape[0]), float("-inf"),
                                       dtype=torch.float32, device=self.weight.device)
@@ -132,3 +158,22 @@ class SparseHead:
             out.index_copy_(0, picked, self.head.full(hidden.index_select(0, picked)))
             self._written_rows = picked
         return out
+
+    def _screen(self, hidden, ids, full_rows, screened, vocab_limit) -> tuple[np.ndarray, np.ndarray | None]:
+        """The screened rows' candidate ids joined to `ids` (every row gets the union's exact values: an id
+        is never above the argmax it was screened against, and ids a row may not take are written -inf by
+        the sampler), and the rows the screen could not answer for joined to `full_rows`."""
+        screen = self.head.screen
+        if screen is None or not self.head.rows_independent:
+            raise ValueError(f"the {self.head.name} LM head has no greedy screen on this machine")
+        rows = np.array([r for r, _ in screened], dtype=np.int64)
+        found, fallback = screen.candidates(hidden.index_select(0, torch.from_numpy(rows)),
+                                            [banned for _, banned in screened], vocab_limit)
+        kept = [c for c in found if c is not None]
+        union = np.union1d(ids, np.concatenate(kept)) if kept else ids
+        late = [int(rows[k]) for k in sorted(fallback)]
+        if union.size > MAX_SPARSE_IDS:
+            union, late = ids, rows.tolist()  # too many candidates together: the screened rows in full
+        if late:
+            full_rows = np.union1d(full_rows if full_rows is not None else np.empty(0, np.int64), late)
+        return union.astype(np.int64), full_rows

@@ -81,7 +81,9 @@ def test_a_step_whose_few_rows_need_every_logit_takes_the_partial_head(inference
                                          timeout=120)
 
     def unconstrained():
-        return inference_client.complete("Go on:", max_tokens=60, ignore_eos=True, timeout=120)
+        # Sampled at temperature 1: a greedy row would be screened instead (next test).
+        return inference_client.complete("Go on:", max_tokens=60, ignore_eos=True, temperature=1.0, seed=4,
+                                         timeout=120)
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(constrained, s) for s in (1, 2, 3)] + [pool.submit(unconstrained)]
@@ -90,3 +92,28 @@ def test_a_step_whose_few_rows_need_every_logit_takes_the_partial_head(inference
         assert re.fullmatch(digits, out.text), out.text
     assert len(outputs[3].token_ids) == 60
     assert head_steps(inference_server, "partial") > before, "no step took the partial head"
+
+
+# A free string: inside it the mask is a list of disallowed ids (POINT's bounded one comes dense).
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}, "kind": {"enum": ["cat", "dog"]}},
+        "required": ["note", "kind"]}
+GREEDY = [
+    pytest.param(dict(), id="unconstrained"),
+    pytest.param(dict(ignore_eos=True), id="unconstrained-eos-banned"),
+    pytest.param(dict(json_schema=NOTE), id="json-string-disallowed-list"),
+    pytest.param(dict(json_schema=NOTE, disable_jump_forward=True), id="json-no-jump-forward"),
+]
+
+
+@pytest.mark.parametrize("kwargs", GREEDY)
+def test_greedy_rows_screened_give_the_full_heads_tokens(inference_server, inference_client, full_head_client,
+                                                          kwargs):
+    # Greedy rows without logprobs take the bfloat16 screen (greedy_head.py) on the session's server and
+    # the float32 head on the other: the same tokens, one request at a time (the same steps on both).
+    before = head_steps(inference_server, "screened") + head_steps(inference_server, "partial")
+    want = full_head_client.complete("Describe a pet as JSON:", max_tokens=32, timeout=120, **kwargs)
+    got = inference_client.complete("Describe a pet as JSON:", max_tokens=32, timeout=120, **kwargs)
+    assert got.token_ids == want.token_ids
+    assert got.finish_reason == want.finish_reason
+    after = head_steps(inference_server, "screened") + head_steps(inference_server, "partial")
+    assert after > before, "no step screened its greedy row"

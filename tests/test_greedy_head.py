@@ -1,0 +1,141 @@
+"""The greedy head's bfloat16 screen keeps every id that can be the float32 head's argmax.
+
+The embedded model's head shape (129,280 x 256) with random weights, rows at
+scales from 1e-2 to 1e3, ids excluded per row (disallowed lists, a banned EOS,
+padding columns), exact ties (duplicated head rows) and near ties; then the
+same draws as the full head through the sparse head and the sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inference_svc import greedy_head
+from inference_svc.greedy_head import GreedyScreen, _keys
+from inference_svc.lm_head import LmHead, PackedKernel
+from inference_svc.sampling import RowSampler, SamplingOptions
+from inference_svc.sparse_head import SparseHead, head_plan
+from inference_svc.step_sampler import RowPlan, StepSampler
+from shared.codec import SparseMask, words_for_vocab
+
+VOCAB = 129_280
+WIDTH = 256
+EOS = 1
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def weight():
+    w = torch.randn(VOCAB, WIDTH, generator=torch.Generator().manual_seed(0)) / 16
+    w[1000] = w[70_000]  # an exact tie in every row: the first index must win
+    w[5] = w[6] * (1 + 2 ** -20)  # a near tie
+    return w
+
+
+@pytest.fixture(scope="module")
+def head(weight):
+    if not GreedyScreen.available(weight, None):
+        pytest.skip("this machine has no bfloat16 oneDNN")
+    h = LmHead.create(weight)
+    assert h.screen is not None and h.name == "onednn_packed"
+    return h
+
+
+def full_argmax(full: torch.Tensor, banned: np.ndarray | None, limit: int) -> int:
+    row = full.clone()
+    row[limit:] = float("-inf")
+    if banned is not None:
+        row[torch.from_numpy(banned)] = float("-inf")
+    return int(row.argmax())
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0, 1000.0])
+def test_the_screen_keeps_the_float32_argmax(head, weight, scale):
+    g = torch.Generator().manual_seed(int(scale * 100))
+    rng = np.random.default_rng(int(scale * 100))
+    rows = 48
+    hidden = torch.randn(rows, WIDTH, generator=g) * scale
+    hidden[3] = weight[70_000] * 40  # its argmax is the tied pair 1000 / 70000
+    hidden[4] = weight[6] * 40  # ... the near-tied pair 5 / 6
+    full = head.full(hidden)
+    limit = VOCAB - 280  # a padded head: the last ids are no token
+    banned = [None if r % 3 == 0 else np.sort(rng.choice(VOCAB, int(rng.integers(1, 30_000)), replace=False))
+              for r in range(rows)]
+    banned[3] = banned[4] = None  # the tie rows keep every id
+    banned[7] = np.array([int(full[7].argmax())])  # the row's own maximum banned
+    cands, fallback = head.screen.candidates(hidden, banned, limit)
+    assert not fallback
+    for r in range(rows):
+        want = full_argmax(full[r], banned[r], limit)
+        assert want in set(cands[r].tolist()), f"row {r}"
+        kept = cands[r]
+        assert (kept < limit).all() and (banned[r] is None or not np.isin(kept, banned[r]).any())
+    assert {1000, 70_000} <= set(cands[3].tolist()) and {5, 6} <= set(cands[4].tolist())
+    assert np.mean([c.size for c in cands]) < 2000, "the screen should keep few ids"
+
+
+def test_rows_it_cannot_answer_for_get_the_full_head(head):
+    hidden = torch.randn(3, WIDTH)
+    hidden[1, 0] = float("nan")
+    everything = np.arange(VOCAB, dtype=np.int64)
+    cands, fallback = head.screen.candidates(hidden, [None, None, everything])
+    assert fallback == {1, 2} and cands[1] is None and cands[2] is None and cands[0] is not None
+
+
+def test_keys_order_like_the_values():
+    bits = np.arange(-32768, 32768, dtype=np.int64).astype(np.int16)
+    values = torch.from_numpy(bits.copy()).view(torch.bfloat16).float().numpy()
+    finite = np.isfinite(values) | np.isinf(values)
+    keys = _keys(bits.copy())[finite].astype(np.int64)
+    values = values[finite]
+    order = np.argsort(keys, kind="stable")
+    assert (np.diff(values[order]) >= 0).all()
+
+
+def test_a_screen_that_misses_is_refused(weight, monkeypatch):
+    if not GreedyScreen.available(weight, None):
+        pytest.skip("this machine has no bfloat16 oneDNN")
+    monkeypatch.setattr(greedy_head, "SCREEN_MARGIN", -1.0)  # keeps nothing
+    assert LmHead.create(weight).screen is None
+    assert not GreedyScreen.available(weight, torch.zeros(VOCAB))  # a biased head is not screened
+
+
+CASES = [
+    pytest.param(dict(ignore_eos=False), {}, id="greedy"),
+    pytest.param(dict(ignore_eos=True), {"ban_eos": True}, id="greedy-eos-banned"),
+]
+
+
+@pytest.mark.parametrize("opts, shape", CASES)
+def test_same_tokens_as_the_full_head_through_the_sampler(head, weight, opts, shape):
+    rows = 10
+    rng = np.random.default_rng(3)
+    hidden = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(3)) * 4
+    full = head.full(hidden)
+    plan = RowPlan()
+    greedy = {}
+    for i in range(rows):
+        plan.sample.append(i)
+        if i % 3 == 1:  # inside a JSON string: a disallowed list
+            plan.masked.append((i, SparseMask(False, np.sort(rng.choice(VOCAB, 20_000, replace=False)))))
+        elif i % 3 == 2:  # an allowed list
+            plan.masked.append((i, SparseMask(True, np.sort(rng.choice(VOCAB, 300, replace=False)))))
+        elif shape.get("ban_eos"):
+            plan.ban_eos.append(i)
+        greedy[i] = np.array([EOS]) if i in plan.ban_eos else None
+    chosen = head_plan(plan.sample, plan.masked, VOCAB, partial=True, greedy=greedy)
+    assert chosen is not None and chosen.full_rows.size == 0 and len(chosen.screened) == 7
+    sparse = SparseHead(head, max_rows=rows)
+    logits = sparse.logits(hidden, chosen.ids, chosen.full_rows, chosen.screened, chosen.vocab_limit)
+    assert bool(torch.isneginf(logits).any(dim=1).all()), "every row should be sparse"
+    bitmask = torch.zeros((rows, words_for_vocab(VOCAB)), dtype=torch.int32)
+    options = SamplingOptions.validated(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
+                                        default_max_tokens=16, max_max_tokens=64, **opts)
+
+    def draw(x):
+        p = RowPlan(list(plan.sample), list(plan.masked), list(plan.ban_eos))
+        return StepSampler(VOCAB, [EOS], bitmask, bitmask).sample(x.clone(), p, [RowSampler(options)] * rows)
+
+    assert draw(logits) == draw(full)
