@@ -64,7 +64,8 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     dense or as a list of disallowed ids, unless it is in `greedy` (row ->
     ids it may not take besides its disallowed ones, e.g. a banned EOS; None:
     none): then an unconstrained row or one with a disallowed list is
-    screened instead. Without `partial` (a head whose rows are not
+    screened instead, unless some other row needs the float32 head in full
+    (then they join it). Without `partial` (a head whose rows are not
     independent) a row needing every column means the full head; with it,
     those rows get the full head and the rest their columns, as long as they
     are at most half the rows to sample (a full head over k rows costs about
@@ -94,6 +95,11 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
         if hit is None:
             hit = np.zeros(vocab_size, dtype=np.bool_)
         hit[form.ids[form.ids < vocab_size]] = True
+    if full and screened:
+        # The float32 head runs for the full rows anyway, and a few more rows cost it little (a full head over
+        # 1 row takes ~10 ms here, over 4 ~11): the screen would only add its own cost.
+        full += [row for row, _ in screened]
+        screened = []
     if full and 2 * len(full) > len(sample):
         return None
     union = np.flatnonzero(hit) if hit is not None else np.empty(0, dtype=np.int64)
@@ -125,6 +131,7 @@ class SparseHead:
         self._buffer: torch.Tensor | None = None  # allocated on first use: a server that never qualifies pays nothing
         self._written: torch.Tensor | None = None  # the columns last written
         self._written_rows: torch.Tensor | None = None  # the rows last written in full
+        self._used = 0  # rows of the buffer the last step handed out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, ids: np.ndarray, full_rows: np.ndarray | None = None,
@@ -141,12 +148,14 @@ class SparseHead:
                                       dtype=torch.float32, device=self.weight.device)
             self._written = self._written_rows = None
         if self._written is not None:
-            self._buffer.index_fill_(1, self._written, float("-inf"))
+            # Only the rows the last step used: a column reset is a scattered write in every row it covers.
+            self._buffer[:self._used].index_fill_(1, self._written, float("-inf"))
             self._written = None
         if self._written_rows is not None:
             self._buffer.index_fill_(0, self._written_rows, float("-inf"))
             self._written_rows = None
         out = self._buffer[:rows]
+        self._used = rows
         if ids.size:
             at = torch.from_numpy(ids).to(self.weight.device)
             out.index_copy_(1, at, self.head.columns(hidden, at))

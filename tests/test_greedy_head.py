@@ -139,3 +139,15 @@ def test_same_tokens_as_the_full_head_through_the_sampler(head, weight, opts, sh
         return StepSampler(VOCAB, [EOS], bitmask, bitmask).sample(x.clone(), p, [RowSampler(options)] * rows)
 
     assert draw(logits) == draw(full)
+
+
+def test_screenable_rows_join_a_full_head_that_runs_anyway():
+    allow = SparseMask(True, np.arange(10))
+    masked = [(0, allow), (1, None), (2, SparseMask(False, np.arange(5))), (3, allow), (4, allow)]
+    # Row 1's dense mask needs the float32 head: rows 2 and 5 (unconstrained) join it instead of a screen.
+    plan = head_plan(range(6), masked, VOCAB, partial=True, greedy={2: None, 5: None})
+    assert plan.full_rows.tolist() == [1, 2, 5] and plan.screened == ()
+    plan = head_plan(range(6), [m for m in masked if m[0] != 1] + [(1, allow)], VOCAB, partial=True,
+                     greedy={2: None, 5: np.array([EOS])})
+    assert plan.full_rows.size == 0 and [r for r, _ in plan.screened] == [2, 5]
+    assert plan.screened[0][1].tolist() == list(range(5)) and plan.screened[1][1].tolist() == [EOS]
