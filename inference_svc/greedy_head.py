@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 SCREEN_MARGIN = 2 ** -5
 # A row whose screen keeps more ids than this gets the full head (its candidates would cost as much).
 MAX_CANDIDATES = 4096
+# What an id a row may not take is set to in the screen: the bits of a negative NaN, negative as an int16
+# and the lowest of all keys (_keys), so below every threshold either way.
+EXCLUDED_BITS = np.int16(-1)
 # The start-up check: random rows at a few scales, the screen must keep each row's float32 argmax.
 CHECK_ROWS = 64
 
@@ -112,19 +115,22 @@ class GreedyScreen:
         norms = hidden.double().norm(dim=1).numpy()
         bound = SCREEN_MARGIN * norms * self._max_row_norm
         approx = torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), self._packed, None, "none", [], "")
-        keys = _keys(approx.view(torch.int16).numpy())
-        low = np.iinfo(np.int16).min
-        if vocab_limit is not None and vocab_limit < keys.shape[1]:
-            keys[:, vocab_limit:] = low
+        bits = approx.view(torch.int16).numpy()
+        if vocab_limit is not None and vocab_limit < bits.shape[1]:
+            bits[:, vocab_limit:] = EXCLUDED_BITS
         for r, ids in enumerate(exclude):
             if ids is not None and ids.size:
-                keys[r, ids[ids < keys.shape[1]]] = low
-        top = keys.max(axis=1)
-        threshold = _value_keys(_key_values(top) - 2 * bound) - 1  # one bfloat16 step below: never above
-        for r in range(k):
-            if not np.isfinite(bound[r]) or top[r] == low:
-                fallback.add(r)
-                threshold[r] = np.iinfo(np.int16).max  # keeps nothing: this row gets the full head
+                bits[r, ids[ids < bits.shape[1]]] = EXCLUDED_BITS
+        low = np.iinfo(np.int16).min
+        keys, threshold = self._raw_thresholds(bits, bound)
+        if keys is None:
+            keys = _keys(bits)  # the excluded ids become the lowest key
+            top = keys.max(axis=1)
+            threshold = _value_keys(_key_values(top) - 2 * bound) - 1  # one bfloat16 step below: never above
+            for r in range(k):
+                if not np.isfinite(bound[r]) or top[r] == low:
+                    fallback.add(r)
+                    threshold[r] = np.iinfo(np.int16).max  # keeps nothing: this row gets the full head
         flat = np.flatnonzero(keys >= threshold[:, None])
         rows, cols = np.divmod(flat, keys.shape[1])
         starts = np.searchsorted(rows, np.arange(k + 1))
@@ -137,3 +143,18 @@ class GreedyScreen:
             else:
                 out.append(ids.astype(np.int64))
         return out, fallback
+
+    @staticmethod
+    def _raw_thresholds(bits: np.ndarray, bound: np.ndarray):
+        """(bits, thresholds) when every row's maximum and threshold are positive: non-negative bfloat16
+        values order like their bit patterns, and every negative one (the excluded ids too) lies below a
+        positive threshold, so the bits are compared as they are (transforming all of them costs ~1.5 ms a
+        step of 26 rows). (None, None) otherwise."""
+        top = bits.max(axis=1)
+        if not (top >= 0).all() or not np.isfinite(bound).all():
+            return None, None
+        wanted = torch.from_numpy(top).view(torch.bfloat16).double().numpy() - 2 * bound
+        if not (wanted > 0).all():
+            return None, None
+        below = torch.from_numpy(wanted.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy() - 1
+        return bits, np.maximum(below, 0)  # never -1: that is EXCLUDED_BITS

@@ -151,3 +151,24 @@ def test_screenable_rows_join_a_full_head_that_runs_anyway():
                      greedy={2: None, 5: np.array([EOS])})
     assert plan.full_rows.size == 0 and [r for r, _ in plan.screened] == [2, 5]
     assert plan.screened[0][1].tolist() == list(range(5)) and plan.screened[1][1].tolist() == [EOS]
+
+
+def bf16_bits(values) -> np.ndarray:
+    return torch.tensor(values, dtype=torch.float32).to(torch.bfloat16).view(torch.int16).numpy().copy()
+
+
+@pytest.mark.parametrize("rows, bound, raw", [
+    pytest.param([[0.5, 2.0, -3.0], [1.0, 4.0, 0.0]], [0.1, 0.2], True, id="positive-thresholds-raw-bits"),
+    pytest.param([[0.5, 2.0, -3.0], [-1.0, -4.0, -0.5]], [0.1, 0.2], False, id="a-negative-maximum"),
+    pytest.param([[0.5, 2.0, -3.0], [1.0, 4.0, 0.0]], [0.1, 3.0], False, id="a-threshold-below-zero"),
+])
+def test_raw_bits_only_where_every_threshold_is_positive(rows, bound, raw):
+    bits = bf16_bits(rows)
+    keys, threshold = GreedyScreen._raw_thresholds(bits, np.array(bound))
+    assert (keys is not None) == raw
+    if raw:
+        values = np.array(rows)
+        kept = keys >= threshold[:, None]
+        want = values >= (values.max(axis=1) - 2 * np.array(bound))[:, None]
+        assert (kept >= want).all(), "every id above the threshold must be kept"
+        assert (threshold >= 0).all()  # never EXCLUDED_BITS (-1)
