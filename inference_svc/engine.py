@@ -69,7 +69,7 @@ from inference_svc.response_text import Piece, ResponseText
 from inference_svc.sampling import RowLogprobs, RowSampler, SamplingOptions, TokenLogprob, TopLogprob
 from inference_svc.schema_check import FinalChecks, wants_check
 from inference_svc.scheduler import ScheduledStep, Scheduler
-from inference_svc.sparse_head import head_plan
+from inference_svc.sparse_head import disallowed_ids, head_plan
 from inference_svc.step_sampler import Drawn, RowPlan, StepSampler
 from shared import errors
 from shared.codec import words_for_vocab
@@ -443,11 +443,21 @@ class Engine:
                 and req.sampler.seen is None and req.num_output >= req.options.min_tokens)
 
     def _greedy_rows(self, sampled: list[GenerationRequest], plan: RowPlan) -> dict[int, np.ndarray | None]:
-        """The plan's screenable rows -> the ids each may not take besides its mask's (a banned EOS)."""
+        """The plan's screenable rows -> the ids each may not take besides its disallowed-id list: a banned
+        EOS, and for a row whose mask came dense every id it disallows (read from its bitmask row)."""
         if not self._greedy_head:
             return {}
         banned = set(plan.ban_eos)
-        return {i: (self._eos_ids if i in banned else None) for i in plan.sample if self._screenable(sampled[i])}
+        dense = {i for i, form in plan.masked if form is None}
+        out = {}
+        for i in plan.sample:
+            if not self._screenable(sampled[i]):
+                continue
+            extra = self._eos_ids if i in banned else None
+            if i in dense:
+                extra = disallowed_ids(self._bitmask_np[i], self.tok_vocab_size)
+            out[i] = extra
+        return out
 
     def _timed_plan(self, sampled: list[GenerationRequest], results: dict[int, RowResult]) -> RowPlan:
         started = time.perf_counter()

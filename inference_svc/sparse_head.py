@@ -62,10 +62,10 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
 
     A row needs every column when it is unconstrained, or its mask came
     dense or as a list of disallowed ids, unless it is in `greedy` (row ->
-    ids it may not take besides its disallowed ones, e.g. a banned EOS; None:
-    none): then an unconstrained row or one with a disallowed list is
-    screened instead, unless some other row needs the float32 head in full
-    (then they join it). Without `partial` (a head whose rows are not
+    ids it may not take besides its disallowed ones, e.g. a banned EOS; for a
+    dense mask, every id it disallows; None: none, and a dense row with None
+    is not screened): then it is screened instead, unless some other row
+    needs the float32 head in full (then they join it). Without `partial` (a head whose rows are not
     independent) a row needing every column means the full head; with it,
     those rows get the full head and the rest their columns, as long as they
     are at most half the rows to sample (a full head over k rows costs about
@@ -81,9 +81,9 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     for row in sample:
         form = forms.get(row, _UNCONSTRAINED)
         if form is None or form is _UNCONSTRAINED or not form.allow:
-            if row in greedy and form is not None and partial:
+            if row in greedy and partial and (form is not None or greedy[row] is not None):
                 extra = greedy[row]
-                banned = form.ids if form is not _UNCONSTRAINED else None
+                banned = form.ids if form is not None and form is not _UNCONSTRAINED else None
                 if banned is not None and extra is not None:
                     banned = np.union1d(banned, extra)
                 screened.append((row, banned if banned is not None else extra))
@@ -106,6 +106,12 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     if union.size > max_ids:
         return None
     return HeadPlan(union, np.array(sorted(full), dtype=np.int64), tuple(screened), vocab_size)
+
+
+def disallowed_ids(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The ids a packed int32 bitmask row (bit j of word w: id 32w + j allowed) disallows, below vocab_size."""
+    allowed = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(allowed == 0)
 
 
 # A sampled row with no entry in `masked`.

@@ -172,3 +172,29 @@ def test_raw_bits_only_where_every_threshold_is_positive(rows, bound, raw):
         want = values >= (values.max(axis=1) - 2 * np.array(bound))[:, None]
         assert (kept >= want).all(), "every id above the threshold must be kept"
         assert (threshold >= 0).all()  # never EXCLUDED_BITS (-1)
+
+
+def test_a_dense_row_is_screened_with_the_ids_its_bitmask_disallows(head):
+    from inference_svc.sparse_head import disallowed_ids
+
+    rng = np.random.default_rng(11)
+    words = words_for_vocab(VOCAB)
+    bitmask = rng.integers(-2**31, 2**31, words).astype(np.int32)
+    banned = disallowed_ids(bitmask, VOCAB)
+    allowed = np.setdiff1d(np.arange(VOCAB), banned)
+    # The same ids as the decoder's reading of the row: bit j of word w is id 32w + j.
+    assert all(bool((int(bitmask[t // 32]) >> (t % 32)) & 1) for t in allowed[:200])
+    assert not any(bool((int(bitmask[t // 32]) >> (t % 32)) & 1) for t in banned[:200])
+    plan = head_plan([0, 1], [(0, None), (1, SparseMask(True, np.arange(10)))], VOCAB, partial=True,
+                     greedy={0: banned})
+    assert plan.full_rows.size == 0 and plan.screened[0][0] == 0
+    assert head_plan([0, 1], [(0, None)], VOCAB, partial=True, greedy={0: None}) is None, \
+        "a dense row without its disallowed ids cannot be screened"
+    hidden = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(11)) * 5
+    full = head.full(hidden)
+    logits = SparseHead(head, 4).logits(hidden, plan.ids, plan.full_rows, plan.screened, VOCAB)
+    row = full[0].clone()
+    row[torch.from_numpy(banned)] = float("-inf")
+    kept = logits[0].clone()
+    kept[torch.from_numpy(banned)] = float("-inf")
+    assert int(kept.argmax()) == int(row.argmax())

@@ -94,7 +94,8 @@ def test_a_step_whose_few_rows_need_every_logit_takes_the_partial_head(inference
     assert head_steps(inference_server, "partial") > before, "no step took the partial head"
 
 
-# A free string: inside it the mask is a list of disallowed ids (POINT's bounded one comes dense).
+# A free string: inside it the mask is a list of disallowed ids (POINT's bounded one comes dense: its
+# disallowed ids are read from the bitmask row).
 NOTE = {"type": "object", "properties": {"note": {"type": "string"}, "kind": {"enum": ["cat", "dog"]}},
         "required": ["note", "kind"]}
 GREEDY = [
@@ -102,6 +103,7 @@ GREEDY = [
     pytest.param(dict(ignore_eos=True), id="unconstrained-eos-banned"),
     pytest.param(dict(json_schema=NOTE), id="json-string-disallowed-list"),
     pytest.param(dict(json_schema=NOTE, disable_jump_forward=True), id="json-no-jump-forward"),
+    pytest.param(dict(json_schema=POINT), id="json-bounded-string-dense-mask"),
 ]
 
 
