@@ -31,6 +31,9 @@ has a short allowed-id list, the LM head is computed at those ids only
 (sparse_head.py); when at most half of them need every logit and the head's
 rows are independent (the oneDNN head), those rows get the full head and the
 rest their ids (the partial head); otherwise the full head runs at once.
+Greedy rows without logprobs need only their argmax: with `--greedy-head on`
+they get the float32 head at the ids a bfloat16 screen keeps (greedy_head.py),
+and a step of such rows splits even with no constrained row.
 
 A jump-forward answer (forced tokens, already accepted by the grammar) makes
 that row's logits stale: the row is not sampled, the forced tokens join the
@@ -455,7 +458,8 @@ class Engine:
                 continue
             extra = self._eos_ids if i in banned else None
             if i in dense:
-                extra = disallowed_ids(self._bitmask_np[i], self.tok_vocab_size)
+                masked_out = disallowed_ids(self._bitmask_np[i], self.tok_vocab_size)
+                extra = masked_out if extra is None else np.union1d(masked_out, extra)
             out[i] = extra
         return out
 
