@@ -18,6 +18,11 @@ oneDNN head, lm_head.py), a step with a few rows that need every logit
 for those rows only and columns for the rest: at N = 32 most constrained
 steps have such a row, so the sparse head alone rarely applied there.
 
+Screened rows: a greedy row without logprobs needs only its argmax, so it
+gets the columns a bfloat16 screen of the head keeps (greedy_head.py) instead
+of every column, whether it is unconstrained or its mask is a disallowed list
+or dense.
+
 Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32): the full
 head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
 0.1-0.5 ms, 8,192 1.3-2.5 ms, 20,000 10-13 ms, hence MAX_SPARSE_IDS.
@@ -176,8 +181,9 @@ class SparseHead:
 
     def _screen(self, hidden, ids, full_rows, screened, vocab_limit) -> tuple[np.ndarray, np.ndarray | None]:
         """The screened rows' candidate ids joined to `ids` (every row gets the union's exact values: an id
-        is never above the argmax it was screened against, and ids a row may not take are written -inf by
-        the sampler), and the rows the screen could not answer for joined to `full_rows`."""
+        another row kept is never above this row's maximum among the ids it may take, and the sampler keeps
+        a row's excluded ids out as before: it writes -inf at a banned EOS and padding, and checks a greedy
+        winner against the row's mask), and the rows the screen could not answer for joined to `full_rows`."""
         screen = self.head.screen
         if screen is None or not self.head.rows_independent:
             raise ValueError(f"the {self.head.name} LM head has no greedy screen on this machine")
