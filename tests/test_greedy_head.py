@@ -198,3 +198,18 @@ def test_a_dense_row_is_screened_with_the_ids_its_bitmask_disallows(head):
     kept = logits[0].clone()
     kept[torch.from_numpy(banned)] = float("-inf")
     assert int(kept.argmax()) == int(row.argmax())
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    pytest.param([], {}, True, id="default-on"),
+    pytest.param(["--greedy-head", "off"], {}, False, id="flag"),
+    pytest.param([], {"STRUCTD_INFERENCE_GREEDY_HEAD": "off"}, False, id="env"),
+])
+def test_greedy_head_flag(argv, env, want):
+    import argparse
+
+    from inference_svc import config as iconfig
+
+    parser = argparse.ArgumentParser()
+    iconfig.add_arguments(parser, env)
+    assert iconfig.from_args(parser.parse_args(argv)).engine.greedy_head is want
