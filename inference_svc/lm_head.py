@@ -18,10 +18,12 @@ one-column kernels round differently, so those are computed as two); MKL
 over a multiple of 64 columns. The oneDNN head's rows are also independent
 of each other (MKL's are not: its kernels change with the row count), so a
 step can compute the full head for the rows that need every logit and
-columns only for the others (the partial head, sparse_head.py). Because that is a property of
-the kernels a CPU picks, not a promise, `LmHead.create` checks it on the
-real weight at start-up and steps down: packed -> plain -> plain without a
-column form (the engine then never uses the sparse head).
+columns only for the others (the partial head, sparse_head.py). Because
+these are properties of the kernels a CPU picks, not promises,
+`LmHead.create` checks them on the real weight at start-up and steps down:
+packed -> plain -> plain without a column form (the engine then never uses
+the sparse head); it checks the bfloat16 greedy screen (greedy_head.py) the
+same way before offering it.
 """
 
 from __future__ import annotations
