@@ -14,7 +14,7 @@ import torch
 
 from inference_svc import greedy_head
 from inference_svc.greedy_head import GreedyScreen, _keys
-from inference_svc.lm_head import LmHead, PackedKernel
+from inference_svc.lm_head import LmHead
 from inference_svc.sampling import RowSampler, SamplingOptions
 from inference_svc.sparse_head import SparseHead, head_plan
 from inference_svc.step_sampler import RowPlan, StepSampler
