@@ -135,3 +135,33 @@ def test_runner_names_and_quick():
     args = parser.parse_args(["--quick"])
     bench_e2e.apply_quick(args)
     assert args.runners == ["sim5"] and args.concurrency == [1, 8] and args.max_tokens == 16
+
+
+def _phase(runner: str, kind: str, tok_s: float, jf: bool = True) -> dict:
+    return {"runner": runner, "runner_label": runner, "kind": kind, "concurrency": 32, "jump_forward": jf,
+            "throughput_tokens_per_second": tok_s, "tpot_seconds": {"mean": 1 / tok_s, "p50": 1 / tok_s},
+            "server": {}}
+
+
+@pytest.mark.parametrize("model, want", [
+    pytest.param((1200, 1100, 1000), {"throughput_vs_vllm": True, "unconstrained_throughput_vs_vllm": True,
+                                      "no_jump_forward_throughput_vs_vllm": True}, id="all-met"),
+    pytest.param((900, 900, 600), {"throughput_vs_vllm": False, "unconstrained_throughput_vs_vllm": False,
+                                    "no_jump_forward_throughput_vs_vllm": True}, id="some-missed"),
+])
+def test_issue_13_targets_against_vllm(model, want):
+    from structd.bench.e2e import report
+    from structd.bench.e2e.run import TARGET_VS_VLLM
+
+    constrained, unconstrained, no_jf = model
+    phases = [_phase("model", "constrained", constrained), _phase("model", "unconstrained", unconstrained),
+              _phase("model", "constrained", no_jf, jf=False)]
+    peers = {"vllm": {"phases": [_phase("vllm", "constrained", 500), _phase("vllm", "unconstrained", 850)]}}
+    result = {"phases": phases, "peers": peers, "comparisons": report.comparisons(phases, peers)}
+    t = report.targets(result, target_runner="sim5", top_n=32, mask_wait_share=0.03, tpot_ratio=1.05,
+                       throughput_vs_transformers=3.0, vs_vllm=TARGET_VS_VLLM)
+    assert {k: t[k]["met"] for k in want} == want
+    no_peer = report.targets({"phases": phases, "peers": {}, "comparisons": report.comparisons(phases, {})},
+                             target_runner="sim5", top_n=32, mask_wait_share=0.03, tpot_ratio=1.05,
+                             throughput_vs_transformers=3.0, vs_vllm=TARGET_VS_VLLM)
+    assert all("--vllm-python" in no_peer[k]["status"] for k in want)

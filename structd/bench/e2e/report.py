@@ -336,7 +336,10 @@ def identical_outputs(a: dict | None, b: dict | None) -> dict | None:
 
 
 def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: float, tpot_ratio: float,
-            throughput_vs_transformers: float) -> dict:
+            throughput_vs_transformers: float, vs_vllm: dict[str, float]) -> dict:
+    """Each target of the issues as met or not (or why it was not run). vs_vllm: the throughput ratios to
+    vLLM's CPU engine (issue 13): throughput_vs_vllm (constrained, jump-forward on),
+    unconstrained_throughput_vs_vllm, no_jump_forward_throughput_vs_vllm."""
     comps = {(c["runner"], c["concurrency"]): c for c in result["comparisons"]}
     t: dict = {}
     p = _find(result["phases"], target_runner, "constrained", top_n)
@@ -362,11 +365,22 @@ def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: fl
             "value": v, "target": f">= {throughput_vs_transformers}", "met": v >= throughput_vs_transformers}
     else:
         t["throughput_vs_transformers"] = {"status": f"not run (embedded model and transformers peer at N={top_n})"}
-    v = c.get("constrained_throughput_vs_vllm") if c else None
-    t["throughput_vs_vllm"] = ({"where": f"embedded model, N={top_n}, constrained tokens/s, structd / vLLM",
-                                "value": v, "target": "reported"} if v is not None
-                               else {"status": f"not run (embedded model and vLLM peer at N={top_n}; vLLM needs "
-                                               "--vllm-python)"})
+    vllm = _find(result["phases"] + result.get("peers", {}).get("vllm", {}).get("phases", []), "vllm",
+                 "constrained", top_n)
+    cases = {
+        "throughput_vs_vllm": ("constrained tokens/s (jump-forward on)", c and c.get("constrained_throughput_vs_vllm")),
+        "unconstrained_throughput_vs_vllm": ("unconstrained tokens/s, against vLLM's unconstrained",
+                                             c and c.get("unconstrained_throughput_vs_vllm")),
+        "no_jump_forward_throughput_vs_vllm": (
+            "constrained tokens/s without jump-forward, against vLLM's constrained",
+            _ratio(c.get("no_jump_forward_throughput"), vllm["throughput_tokens_per_second"])
+            if c and vllm is not None else None),
+    }
+    for name, (what, v) in cases.items():
+        goal = vs_vllm[name]
+        t[name] = ({"where": f"embedded model, N={top_n}, {what}, structd / vLLM", "value": v,
+                    "target": f">= {goal}", "met": v >= goal} if v is not None
+                   else {"status": f"not run (embedded model and vLLM peer at N={top_n}; vLLM needs --vllm-python)"})
     return t
 
 
