@@ -23,7 +23,10 @@ def test_run_through_the_cli(tmp_path, capsys):
     assert "load_average_start" in result and result["arguments"]["reps"] == 2
     assert [r["rows"] for r in result["rows"]] == list(ROWS)
     for r in result["rows"]:
-        assert set(r["median_ms"]) == {"plain", "onednn_packed"} and all(ms > 0 for ms in r["median_ms"].values())
+        assert set(r["median_ms"]) - {"greedy_screen"} == {"plain", "onednn_packed"}
+        assert all(ms > 0 for ms in r["median_ms"].values())
+        if "greedy_screen" in r["median_ms"]:  # a CPU with bfloat16 oneDNN
+            assert 1 <= r["screen_kept_ids_mean"] <= 4096
         assert r["columns_exact"] == {"plain": True, "onednn_packed": True}
     assert (tmp_path / "lm-head.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()

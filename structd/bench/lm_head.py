@@ -4,7 +4,9 @@ Loads the embedded model's output embedding (129,280 x 256, float32) and
 times the full head at 1 to 64 rows with each kernel of inference_svc/lm_head.py
 (plain = F.linear, onednn_packed = oneDNN over the reordered weight), the
 kernels alternating in short blocks so machine noise hits them alike; checks each
-kernel's column form bitwise against its full head at every row count. With
+kernel's column form bitwise against its full head at every row count; times
+the greedy head's bfloat16 screen with its exact columns (greedy_head.py, what
+a greedy row gets instead of the full head) and how many ids it keeps. With
 --vllm-python, the same head through vLLM's CPU kernel (`create_onednn_mm`,
 what its engine runs) in that venv, for reference. Writes <out>/lm-head.json
 and .png.
@@ -61,6 +63,7 @@ def measure(args) -> list[dict]:
     import torch
 
     from inference_svc.embedded_model import ensure_embedded_model
+    from inference_svc.greedy_head import GreedyScreen
     from inference_svc.lm_head import PackedKernel, PlainKernel
     from inference_svc.model_loading import load_model
 
@@ -72,6 +75,7 @@ def measure(args) -> list[dict]:
         kernels["onednn_packed"] = PackedKernel(weight, None)
     else:
         progress("this torch has no oneDNN: plain kernel only")
+    screen = GreedyScreen.create(weight, kernels["onednn_packed"].full) if "onednn_packed" in kernels else None
     rng = np.random.default_rng(0)
     rows_out = []
     with torch.inference_mode():
@@ -88,7 +92,27 @@ def measure(args) -> list[dict]:
                         k.full(hidden)
                         times[name].append(time.perf_counter() - started)
             med = {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
-            rows_out.append({"rows": rows, "median_ms": med, "columns_exact": exact})
+            row = {"rows": rows, "median_ms": med, "columns_exact": exact}
+            if screen is not None:
+                # The greedy head's screen (greedy_head.py): what replaces the full head for a greedy row, plus
+                # the exact columns at the ids it keeps (timed together, as the engine runs them).
+                packed = kernels["onednn_packed"]
+
+                def screened():
+                    kept, _ = screen.candidates(hidden, [None] * rows)
+                    union = np.unique(np.concatenate([c for c in kept if c is not None]))
+                    packed.columns(hidden, torch.from_numpy(union))
+                    return kept
+
+                kept = screened()
+                t = []
+                for _ in range(args.reps):
+                    started = time.perf_counter()
+                    screened()
+                    t.append(time.perf_counter() - started)
+                med["greedy_screen"] = round(statistics.median(t) * 1e3, 3)
+                row["screen_kept_ids_mean"] = round(float(np.mean([c.size for c in kept if c is not None])), 1)
+            rows_out.append(row)
             progress(f"{rows} rows: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in med.items()))
     if args.vllm_python:
         progress(f"vLLM's kernel in {args.vllm_python}")
