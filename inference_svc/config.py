@@ -87,7 +87,7 @@ class InferenceServiceConfig:
     # the model runs on CUDA, off on the CPU: see engine_in_own_process).
     engine_process: str = "auto"
     # The LM head's kernel (lm_head.py): auto = oneDNN over a reordered copy of the head weight on the CPU in
-    # float32 (1.1-2.5x faster there from 4 rows, 5-10% slower at 1-2; one more copy of the head in memory),
+    # float32 (1.1-2.5x faster there from 4 rows, 0.78-0.95x at 1-2; one more copy of the head in memory),
     # F.linear elsewhere; plain: F.linear.
     lm_head_kernel: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)

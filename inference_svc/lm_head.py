@@ -3,10 +3,10 @@
 The embedded model's head (129,280 x 256, fp32) is most of a CPU step, and how
 the matmul is computed decides its cost. `torch.nn.functional.linear` goes to
 MKL, whose kernels for a few rows are slow here (one thread, Xeon with
-AVX-512: 34 ms at 8 rows, 30 ms at 32); oneDNN over a weight reordered once
-into its blocked layout (what vLLM's CPU engine does, `create_onednn_mm`)
-takes 12.6 and 22 ms, the same numbers as vLLM's own kernel on this machine
-(docs/benchmarks.md, "The LM head's kernel"). So on the CPU, in fp32, the head
+AVX-512: 31.7 ms at 8 rows, 28.0 ms at 32 in `structd bench lm-head`); oneDNN
+over a weight reordered once into its blocked layout (what vLLM's CPU engine
+does, `create_onednn_mm`) takes 12.8 and 20.9 ms, near vLLM's own kernel on
+this machine (docs/benchmarks.md, "The LM head's kernel"). So on the CPU, in fp32, the head
 is `PackedKernel`; elsewhere (CUDA, other dtypes) `PlainKernel`, F.linear.
 
 The sparse head (sparse_head.py) computes the same head at a few columns
@@ -133,8 +133,11 @@ class LmHead:
         kernels.append(PlainKernel(weight, bias))
         for kernel in kernels:
             if _columns_match(kernel, weight):
-                greedy = GreedyScreen.create(weight, kernel.full) if screen and bias is None else None
-                return cls(kernel, exact_columns=True, rows_independent=_rows_match(kernel, weight), screen=greedy)
+                independent = _rows_match(kernel, weight)
+                # The engine screens only with independent rows (a screen's fallback rows get the full head
+                # beside the others' columns): no bfloat16 copy of the head that would never be used.
+                greedy = GreedyScreen.create(weight, kernel.full) if screen and independent and bias is None else None
+                return cls(kernel, exact_columns=True, rows_independent=independent, screen=greedy)
             log.warning("LM head: the %s kernel's column form is not bitwise its full head on this machine",
                         kernel.name)
         log.warning("LM head: no kernel computes exact columns here; the sparse head is off")

@@ -11,9 +11,9 @@ it started. Rows are copied from a pool drawn once at start-up, because
 drawing 32 x 129k normals per step would itself take longer than a
 simulated GPU step. The copy goes into one of two buffers kept across steps
 (a step's logits stay valid through the next step's forward, and callers may
-mask them in place): a fresh 16 MB tensor a step costs page faults, and the
-copy took 3 ms at 32 rows on a 2-core Xeon that way, more than a simulated
-2 ms step (docs/benchmarks.md, "The simulated runner's copy").
+mask them in place): a fresh 16 MB tensor a step costs page faults, which
+kept the observed step well above its nominal time (docs/benchmarks.md, "The
+simulated runner's copy").
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ of every column, whether it is unconstrained or its mask is a disallowed list
 or dense.
 
 Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32): the full
-head takes 8-10 ms at 1 row and 22-30 ms at 32 rows; 1,000 columns take
-0.1-0.5 ms, 8,192 1.3-2.5 ms, 20,000 10-13 ms, hence MAX_SPARSE_IDS.
+head takes 10-13 ms at 1 row and 21-25 ms at 32 rows (`structd bench
+lm-head`); columns cost in proportion to their number (1,000 columns took
+0.1-0.5 ms, 20,000 10-13 ms in the sparse head's first measurement), hence
+MAX_SPARSE_IDS.
 """
 
 from __future__ import annotations

@@ -15,14 +15,12 @@ first time (minutes for the default buckets on CPU), cached after.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import progress, result_header
+from structd.bench.harness import progress, write_result
 
 CONTEXT = 64
 
@@ -136,10 +134,7 @@ def run_bench(args) -> int:
     progress(f"threads {args.threads}, head {'16' if args.small_head else '129,280'} wide, "
              f"variants eager{''.join(',' + m for m in args.modes.split(',') if m)}")
     rows = measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
-              "wall_seconds": round(time.time() - started, 1), "steps": rows}
-    (args.out / "compiled-body.json").write_text(json.dumps(result, indent=1))
+    write_result(args, machine(), started, "compiled-body", steps=rows)
     plot(rows, args.out / "compiled-body.png")
     modes = list(rows[0]["median_ms"])
     print("| step | " + " | ".join(f"{m} ms (eager/{m})" for m in modes) + " | greedy equal |")

@@ -17,6 +17,7 @@ able to look at its internals: `call` runs a coroutine on the server's loop,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -53,6 +54,15 @@ def result_header(args, machine: dict, started: float) -> dict:
     return {"command": command_line(), "arguments": arguments(args), "machine": machine,
             "load_average_start": load_average(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))}
+
+
+def write_result(args, machine: dict, started: float, name: str, **fields) -> dict:
+    """Writes <args.out>/<name>.json: the header, the load at the end, the wall time and `fields`; returns it."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**result_header(args, machine, started), "load_average_end": load_average(),
+              "wall_seconds": round(time.time() - started, 1), **fields}
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def progress(msg: str) -> None:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import progress, result_header
+from structd.bench.harness import progress, write_result
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Kernels alternate in blocks of this many calls, each block after one untimed call: a server runs one
@@ -64,8 +63,9 @@ def measure(args) -> list[dict]:
 
     from inference_svc.embedded_model import ensure_embedded_model
     from inference_svc.greedy_head import GreedyScreen
-    from inference_svc.lm_head import PackedKernel, PlainKernel
+    from inference_svc.lm_head import LmHead, PackedKernel, PlainKernel
     from inference_svc.model_loading import load_model
+    from inference_svc.sparse_head import SparseHead
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(ensure_embedded_model(), "cpu")
@@ -75,7 +75,13 @@ def measure(args) -> list[dict]:
         kernels["onednn_packed"] = PackedKernel(weight, None)
     else:
         progress("this torch has no oneDNN: plain kernel only")
-    screen = GreedyScreen.create(weight, kernels["onednn_packed"].full) if "onednn_packed" in kernels else None
+    sparse = None
+    if "onednn_packed" in kernels:
+        screen = GreedyScreen.create(weight, kernels["onednn_packed"].full)
+        if screen is not None:
+            # The engine's own path for greedy rows (sparse_head.SparseHead with screened rows).
+            sparse = SparseHead(LmHead(kernels["onednn_packed"], exact_columns=True, rows_independent=True,
+                                       screen=screen), max_rows=max(ROWS))
     rng = np.random.default_rng(0)
     rows_out = []
     with torch.inference_mode():
@@ -93,24 +99,18 @@ def measure(args) -> list[dict]:
                         times[name].append(time.perf_counter() - started)
             med = {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
             row = {"rows": rows, "median_ms": med, "columns_exact": exact}
-            if screen is not None:
-                # The greedy head's screen (greedy_head.py): what replaces the full head for a greedy row, plus
-                # the exact columns at the ids it keeps (timed together, as the engine runs them).
-                packed = kernels["onednn_packed"]
-
-                def screened():
-                    kept, _ = screen.candidates(hidden, [None] * rows)
-                    union = np.unique(np.concatenate([c for c in kept if c is not None]))
-                    packed.columns(hidden, torch.from_numpy(union))
-                    return kept
-
-                kept = screened()
+            if sparse is not None:
+                # What a greedy row gets instead of the full head: the bfloat16 screen, then the exact columns
+                # at the ids it keeps, into the step's buffer.
+                screened = [(r, None) for r in range(rows)]
+                no_ids = np.empty(0, dtype=np.int64)
                 t = []
-                for _ in range(args.reps):
+                for _ in range(args.reps + 1):
                     started = time.perf_counter()
-                    screened()
+                    sparse.logits(hidden, no_ids, None, screened, weight.shape[0])
                     t.append(time.perf_counter() - started)
-                med["greedy_screen"] = round(statistics.median(t) * 1e3, 3)
+                med["greedy_screen"] = round(statistics.median(t[1:]) * 1e3, 3)
+                kept, _ = sparse.head.screen.candidates(hidden, [None] * rows)
                 row["screen_kept_ids_mean"] = round(float(np.mean([c.size for c in kept if c is not None])), 1)
             rows_out.append(row)
             progress(f"{rows} rows: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in med.items()))
@@ -157,10 +157,7 @@ def run_bench(args) -> int:
         return 2
     started = time.time()
     rows = measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
-              "wall_seconds": round(time.time() - started, 1), "rows": rows}
-    (args.out / "lm-head.json").write_text(json.dumps(result, indent=1))
+    write_result(args, machine(), started, "lm-head", rows=rows)
     plot(rows, args.out / "lm-head.png")
     names = list(rows[0]["median_ms"])
     print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | plain / packed | columns exact |")

@@ -15,15 +15,13 @@ new/old ratios; writes <out>/sampler.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import module_at_revision, plot_old_new, progress, result_header
+from structd.bench.harness import module_at_revision, plot_old_new, progress, write_result
 
 OLD_REV = "d83242f"
 VOCAB = 129_280
@@ -124,10 +122,7 @@ def run_bench(args) -> int:
     for k, kind in enumerate(KINDS):
         results.append(time_kind(old_cls, kind, args.rows, args.rounds, seed=k * 100_003))
         progress(f"{kind}: old {results[-1]['old_ms']} ms, new {results[-1]['new_ms']} ms")
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
-              "wall_seconds": round(time.time() - started, 1), "kinds": results}
-    (args.out / "sampler.json").write_text(json.dumps(result, indent=1))
+    write_result(args, machine(), started, "sampler", kinds=results)
     plot_old_new(results, "kind", "old_ms", "new_ms", f"median ms per step ({args.rows} rows)",
                  args.out / "sampler.png", width=7.0)
     print(f"| rows ({args.rows} a step) | old ms | new ms | new / old |\n|---|---|---|---|")

@@ -13,8 +13,6 @@ The model is not run: this is the builder's cost alone.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import subprocess
@@ -23,7 +21,7 @@ import time
 from itertools import accumulate, chain
 from pathlib import Path
 
-from structd.bench.harness import module_at_revision, plot_old_new, progress, result_header
+from structd.bench.harness import module_at_revision, plot_old_new, progress, write_result
 
 OLD_REV = "08b29cc"
 
@@ -145,10 +143,7 @@ def run_bench(args) -> int:
         for mixed in (False, True):
             rows.append(time_batch(old, device, rng, decodes, mixed, args.rounds))
             progress(f"{rows[-1]['step']}: new/old {rows[-1]['new_over_old']:.2f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "load_average_end": os.getloadavg(),
-              "wall_seconds": round(time.time() - started, 1), "steps": rows}
-    (args.out / "step-context.json").write_text(json.dumps(result, indent=1))
+    write_result(args, machine(), started, "step-context", steps=rows)
     plot_old_new(rows, "step", "old_us", "new_us", "median µs per step", args.out / "step-context.png")
     print("| step | old µs | new µs | new / old |\n|---|---|---|---|")
     for r in rows:
