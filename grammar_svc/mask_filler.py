@@ -3,7 +3,11 @@
 Measured with the 129k tokenizer on 2 cores: a typical row fills in ~4 µs,
 so handing rows to threads costs more than it saves (xgrammar's own
 BatchGrammarMatcher with 2 threads took 7x longer than a plain loop for 32
-cheap rows). Rows are therefore filled in a loop on the step's thread, and
+cheap rows; two threads of our own filling fast rows one by one hand the GIL,
+which every fill releases, back and forth after each row and were slower
+than one, and one batch call per thread did not beat the loop in the server:
+docs/benchmarks.md, "The grammar replica's step at 32 sessions"). Rows are
+therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
 (xgrammar releases the GIL while filling). A session's first fill goes
