@@ -87,7 +87,7 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     screened = []
     for row in sample:
         form = forms.get(row, _UNCONSTRAINED)
-        if form is None or form is _UNCONSTRAINED or not form.allow:
+        if form is None or not form.allow:  # dense, unconstrained (no allow) or a disallowed list
             if row in greedy and partial and (form is not None or greedy[row] is not None):
                 extra = greedy[row]
                 banned = form.ids if form is not None and form is not _UNCONSTRAINED else None
