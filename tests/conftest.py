@@ -138,7 +138,7 @@ def registered(grammar_server, tokenizer_desc) -> Grammar:
     return Grammar(grammar_server.target, tokenizer_desc.fingerprint, tokenizer_desc.vocab_size)
 
 
-def InferenceServerThread(config, *, engine_process: str = "off") -> ServiceThread:
+def InferenceServerThread(config, *, engine_process: str = "off", start_timeout: float = 600.0) -> ServiceThread:
     """An InferenceServer on a private event loop in a daemon thread; its engine in this process (tests read its
     state: scheduler, metrics, grammar tier) unless `engine_process` (tests/test_engine_process.py)."""
     import dataclasses
@@ -146,7 +146,8 @@ def InferenceServerThread(config, *, engine_process: str = "off") -> ServiceThre
     from inference_svc.server import InferenceServer
 
     config = dataclasses.replace(config, engine_process=engine_process)
-    return ServiceThread(InferenceServer(config), "inference-server", grammar_connect_timeout=60.0)
+    return ServiceThread(InferenceServer(config), "inference-server", start_timeout=start_timeout,
+                         grammar_connect_timeout=60.0)
 
 
 # Compiles in a few seconds on the service (bounded strings are xgrammar's slow case): the "slow grammar".

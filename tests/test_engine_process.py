@@ -39,6 +39,10 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather forecast for a city", "parameters": WEATHER}
 
 
+# These servers start in 5-20 s here: a start that takes minutes is stuck, and the error says where it waits.
+START_TIMEOUT_SECONDS = 180.0
+
+
 def _config(grammar, **overrides):
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
@@ -52,7 +56,7 @@ def _config(grammar, **overrides):
 
 @pytest.fixture(scope="module")
 def split_server(grammar_server):
-    srv = InferenceServerThread(_config(grammar_server), engine_process="on")
+    srv = InferenceServerThread(_config(grammar_server), engine_process="on", start_timeout=START_TIMEOUT_SECONDS)
     yield srv
     srv.stop()
 
@@ -148,7 +152,7 @@ def test_many_requests_at_once_each_get_their_own_stream(split_server):
 
 def _simulated(grammar):
     return InferenceServerThread(_config(grammar, simulate_step_ms=5.0, grace_seconds=1.0, num_threads=1),
-                                 engine_process="on")
+                                 engine_process="on", start_timeout=START_TIMEOUT_SECONDS)
 
 
 def test_stop_cancels_what_is_in_flight_and_ends_the_core(grammar_server):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+log = logging.getLogger(__name__)
 
 
 def command_line() -> str:
@@ -197,16 +200,49 @@ class ChildService:
         self._log.close()
 
 
+async def _contained(coro):
+    """`coro`, with a SystemExit (a server that cannot start says why that way) raised as RuntimeError: asyncio
+    lets SystemExit out of the event loop, which ends the loop's thread before the caller's future is resolved,
+    so the caller would wait out its whole timeout and never hear the reason."""
+    try:
+        return await coro
+    except SystemExit as e:
+        raise RuntimeError(f"SystemExit: {e}") from None
+
+
+def _awaiting(coro) -> list[str]:
+    """Where a suspended coroutine waits, outermost first ("file:line in function" down its await chain)."""
+    chain = []
+    while (frame := getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)) is not None:
+        chain.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain
+
+
 class ServiceThread:
     def __init__(self, server, name: str, start_timeout: float = 600.0, **start_kwargs):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name=name)
         self._thread.start()
         self.server = server
-        self.call(server.start(**start_kwargs), timeout=start_timeout)
+        starting = server.start(**start_kwargs)
+        try:
+            try:
+                self.call(starting, timeout=start_timeout)
+            except TimeoutError:
+                raise TimeoutError(f"{name} did not start within {start_timeout:.0f} s; its start() waits at "
+                                   f"{' -> '.join(_awaiting(starting)) or 'nothing (its loop is blocked)'}") from None
+        except Exception:
+            # The server's (it could not start): whatever it did start is stopped, so a test that expected it
+            # to start fails with the reason and leaves no listener, engine core or loop thread behind.
+            try:
+                self.stop()
+            except Exception:  # noqa: BLE001 - a half-started server's stop; the start's error is the one to see
+                log.exception("stopping %s after its failed start", name)
+            raise
 
     def call(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(_contained(coro), self.loop).result(timeout)
 
     def run_sync(self, fn, timeout: float = 30.0):
         async def go():
