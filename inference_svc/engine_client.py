@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from shared import errors
 log = logging.getLogger(__name__)
 # How long close() waits for the core to finish its own shutdown before it is killed.
 CLOSE_TIMEOUT_SECONDS = 30.0
+# How long a core stopped during start-up gets to write its stacks (engine_core.main: SIGUSR1) before it is killed.
+STACK_DUMP_SECONDS = 0.5
 
 
 class _Warnings:
@@ -122,8 +125,13 @@ class EngineClient:
         if self._ready and not self.dead:
             p.send(self._writer, (p.CLOSE,))
         elif self._process is not None and self._process.poll() is None:
-            # Stopped while it was still loading (a signal during start-up): it has no requests, and it
-            # reads no frames before READY.
+            # Stopped while it was still starting (a signal during start-up, or a starter that gave up on
+            # it): it has no requests, and it reads no frames before READY. It writes where it was to its
+            # log first, so a start that would never have ended can be told from a slow one.
+            log.warning("stopping the engine core (pid %d) while it is still starting; its threads' stacks "
+                        "follow in its log", self._process.pid)
+            self._process.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(STACK_DUMP_SECONDS)
             self._process.kill()
         await self._reap()
 

@@ -20,6 +20,7 @@ server dies its end of the socket closes, which ends the core too.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import pickle
 import signal
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     # kill it under the requests it is finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGUSR1 writes every thread's stack to the log, even with the main thread stuck in C: the API server
+    # asks for it before it kills a core that has not finished starting, and an operator can send it too.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sock = socket.socket(fileno=int(argv[0]))
     return asyncio.run(serve(sock))
 

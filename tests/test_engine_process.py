@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from shared.inference_client import InferenceClient, InferenceError
-from structd.bench.harness import free_port
+from structd.bench.harness import ServiceThread, free_port
 from tests.conftest import (TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread, assert_engine_gone,
                             background_complete, wait_until)
 from tests.test_schema_check import PIGEONHOLE
@@ -200,6 +200,17 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
         assert client._process.returncode == 1
     finally:
         taken.stop()
+
+
+def test_a_core_stopped_while_starting_writes_where_it_was_first(grammar_server, capfd):
+    from inference_svc.server import InferenceServer
+
+    nobody = f"127.0.0.1:{free_port()}"  # no grammar replica: the core waits for one until the starter gives up
+    cfg = _config(grammar_server, grammar_targets=(nobody,), simulate_step_ms=5.0, metrics_port=0)
+    with pytest.raises(TimeoutError, match=r"engine_client\.py:\d+ in ready"):
+        ServiceThread(InferenceServer(cfg), "stuck-core", start_timeout=15.0, grammar_connect_timeout=600.0)
+    # faulthandler's dump, from the core (its main() is at the bottom of its main thread's stack).
+    assert re.search(r'File ".*engine_core\.py", line \d+ in main', capfd.readouterr().err)
 
 
 def _parsed(argv, env=None):
