@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -31,6 +30,7 @@ import pytest
 from shared.codec import words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
+from structd.bench.harness import free_port
 from tests.conftest import require_tool, run, start_grammar_server
 
 SERVICE = "grammar.v1.GrammarService"
@@ -41,12 +41,6 @@ OBJ_VALUE = {"a": 1, "b": "x"}
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def salt() -> str:

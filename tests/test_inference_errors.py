@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from shared.inference_client import InferenceClient, InferenceError
+from structd.bench.harness import free_port
 from tests.conftest import (TOO_SLOW_SCHEMA, InferenceServerThread, background_complete, require_tool,
                             start_grammar_server, wait_until)
 
@@ -78,20 +79,12 @@ def simulated(own_grammar):
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
     cfg = InferenceServiceConfig(
-        host="127.0.0.1", port=0, metrics_port=_free_port(), grammar_targets=(own_grammar.target,),
+        host="127.0.0.1", port=0, metrics_port=free_port(), grammar_targets=(own_grammar.target,),
         simulate_step_ms=5.0, grace_seconds=1.0,
         engine=EngineConfig(max_num_seqs=1, max_waiting=2, default_max_tokens=16))
     srv = InferenceServerThread(cfg)
     yield srv
     srv.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_waiting_queue_limit_is_resource_exhausted(simulated):

@@ -19,6 +19,7 @@ import pytest
 from inference_svc.paged_kv import KVCacheSpec
 from inference_svc.tensor_parallel import rank_from_env
 from shared.inference_client import InferenceClient
+from structd.bench.harness import free_port
 from tests.conftest import REPO
 from tests.test_cli import children_of, running
 
@@ -31,19 +32,11 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["off", "on"], ids=["one-process", "engine-process"])
 def tp2(grammar_server, request):
     from structd.up import wait_serving
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(port),
                              "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
                              "--num-threads", "1", "--log-level", "WARNING", "--engine-process", request.param],

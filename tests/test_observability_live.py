@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import grpc
 import pytest
 import yaml
 
+from structd.bench.harness import free_port
 from tests.conftest import require_tool, run, start_grammar_server
 from tests.deploy_assets import REPO, RULES_FILE, Query, alert_rules, dashboards, grafana_to_promql, panel_queries, \
     rule_queries
@@ -55,12 +55,6 @@ LIVE = [
     LiveService("structd-inference", "inference.json", "live_inference"),
     LiveService("structd-gateway", "gateway.json", "live_gateway"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def terminate(proc: subprocess.Popen) -> None:

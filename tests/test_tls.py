@@ -35,7 +35,7 @@ from shared.grammar_client import GrammarClient
 from shared.inference_client import InferenceClient, InferenceError
 from shared.tls import ClientTls, ServerTls, sync_channel
 from structd import generate
-from structd.bench.harness import ServiceThread
+from structd.bench.harness import ServiceThread, free_port
 from tests.conftest import REPO, InferenceServerThread, run, start_grammar_server, wait_until
 from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, running
 from tests.tls_material import Authority, Issued
@@ -109,12 +109,6 @@ def served_certificate(port: int, pki: Pki) -> bytes:
 # ---------------------------------------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_cert(pki, tmp_path_factory) -> Issued:
     """The grammar replica's certificate files, which the rotation test rewrites."""
@@ -124,7 +118,7 @@ def live_cert(pki, tmp_path_factory) -> Issued:
 @pytest.fixture(scope="module")
 def tls_grammar(pki, live_cert):
     srv = start_grammar_server(compile_workers=1, fill_threads=1, tls=pki.server_tls(live_cert),
-                               health_port=_free_port())
+                               health_port=free_port())
     yield srv
     srv.stop()
 
