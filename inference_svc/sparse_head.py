@@ -23,11 +23,10 @@ gets the columns a bfloat16 screen of the head keeps (greedy_head.py) instead
 of every column, whether it is unconstrained or its mask is a disallowed list
 or dense.
 
-Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32): the full
-head takes 10-13 ms at 1 row and 21-25 ms at 32 rows (`structd bench
-lm-head`); columns cost in proportion to their number (1,000 columns took
-0.1-0.5 ms, 20,000 10-13 ms in the sparse head's first measurement), hence
-MAX_SPARSE_IDS.
+Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32, `structd bench
+lm-head`): the full head takes 10-12 ms at 1 row and 21-34 ms at 32 rows;
+the column form costs in proportion to its columns (at one row 0.24-0.33 ms
+for 1,000, 1.4-1.8 ms for 8,192, 3.4-4.4 ms for 20,000), hence MAX_SPARSE_IDS.
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ from inference_svc.lm_head import LmHead
 from shared.codec import SparseMask
 
 # Union of the step's allowed ids above which the full head is computed instead: at 8,192 columns the
-# gather + matmul costs about a quarter of the full head at one row (less at more rows).
+# gather + matmul costs 13-15% of the full head at one row, 7-10% at 32 (docs/benchmarks.md, "The column
+# form's cost"; a quarter in the first, hand-timed measurement).
 MAX_SPARSE_IDS = 8192
 
 # (row, mask as it came: SparseMask or None when dense) per constrained row, as RowPlan.masked holds them.

@@ -105,8 +105,9 @@ BENCHMARKS = [
     ("lm-head", "structd.bench.lm_head",
      "lm-head: the LM head's kernels (F.linear vs oneDNN over the reordered weight) at 1 to 64 rows, interleaved",
      "The embedded model's 129,280 x 256 head at 1 to 64 rows with each kernel of inference_svc/lm_head.py, "
-     "alternating rep by rep in one process: medians, the ratio, whether each column form is bitwise its full "
-     "head; --vllm-python adds vLLM's own CPU kernel for reference."),
+     "alternating in blocks of calls in one process: medians, the ratio, whether each column form is bitwise its "
+     "full head, the greedy head's screen, and each column form at 1,000-20,000 ids (the sparse head's cost); "
+     "--vllm-python adds vLLM's own CPU kernel for reference."),
     ("step-context", "structd.bench.step_context",
      "step-context: host time to build a step's inputs and attention context, old builder vs current",
      "The builder of --old-rev (loaded from git) and the working tree's on the same batches, alternating call by "

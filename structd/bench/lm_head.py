@@ -6,7 +6,10 @@ times the full head at 1 to 64 rows with each kernel of inference_svc/lm_head.py
 kernels alternating in short blocks so machine noise hits them alike; checks each
 kernel's column form bitwise against its full head at every row count; times
 the greedy head's bfloat16 screen with its exact columns (greedy_head.py, what
-a greedy row gets instead of the full head) and how many ids it keeps. With
+a greedy row gets instead of the full head) and how many ids it keeps; and
+each kernel's column form (what the sparse head computes: one gather of head
+rows and one matmul) at 1,000 to 20,000 random ids, at 1 and 32 rows, beside
+the full head: what sparse_head.MAX_SPARSE_IDS is set from. With
 --vllm-python, the same head through vLLM's CPU kernel (`create_onednn_mm`,
 what its engine runs) in that venv, for reference. Writes <out>/lm-head.json
 and .png.
@@ -15,16 +18,21 @@ and .png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from structd.bench.harness import progress, write_result
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+# The column form's widths (the sparse head's union of allowed ids; 8,192 is MAX_SPARSE_IDS) and row counts.
+COLUMN_WIDTHS = (1000, 5000, 8192, 20000)
+COLUMN_ROWS = (1, 32)
 # Kernels alternate in blocks of this many calls, each block after one untimed call: a server runs one
 # kernel over one weight step after step, and part of that weight stays in the caches between calls
 # (rep-by-rep alternation made every call read a cold weight: 10.2 instead of 6.7 ms at one row).
@@ -89,15 +97,7 @@ def measure(args) -> list[dict]:
             hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
             cols = torch.from_numpy(np.sort(rng.choice(weight.shape[0], 700, replace=False)))
             exact = {name: torch.equal(k.columns(hidden, cols), k.full(hidden)[:, cols]) for name, k in kernels.items()}
-            times: dict[str, list[float]] = {name: [] for name in kernels}
-            for block in range(0, args.reps, BLOCK):
-                for name, k in kernels.items():
-                    k.full(hidden)  # untimed: brings this kernel's weight back into the caches
-                    for _ in range(min(BLOCK, args.reps - block)):
-                        started = time.perf_counter()
-                        k.full(hidden)
-                        times[name].append(time.perf_counter() - started)
-            med = {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
+            med = _interleaved({name: functools.partial(k.full, hidden) for name, k in kernels.items()}, args.reps)
             row = {"rows": rows, "median_ms": med, "columns_exact": exact}
             if sparse is not None:
                 # What a greedy row gets instead of the full head: the bfloat16 screen, then the exact columns
@@ -114,6 +114,17 @@ def measure(args) -> list[dict]:
                 row["screen_kept_ids_mean"] = round(float(np.mean([c.size for c in kept if c is not None])), 1)
             rows_out.append(row)
             progress(f"{rows} rows: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in med.items()))
+        columns_out = []
+        for rows in COLUMN_ROWS:
+            hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+            full = next(r["median_ms"] for r in rows_out if r["rows"] == rows)
+            for width in COLUMN_WIDTHS:
+                cols = torch.from_numpy(np.sort(rng.choice(weight.shape[0], width, replace=False)))
+                med = _interleaved({name: functools.partial(k.columns, hidden, cols) for name, k in kernels.items()},
+                                   args.reps)
+                columns_out.append({"rows": rows, "columns": width, "median_ms": med,
+                                    "share_of_full": {n: round(ms / full[n], 3) for n, ms in med.items()}})
+                progress(f"{rows} rows, {width} columns: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in med.items()))
     if args.vllm_python:
         progress(f"vLLM's kernel in {args.vllm_python}")
         try:
@@ -128,22 +139,43 @@ def measure(args) -> list[dict]:
             vllm = json.loads(done.stdout.strip().splitlines()[-1])
             for r in rows_out:
                 r["median_ms"]["vllm_onednn_mm"] = round(vllm[str(r["rows"])], 3)
-    return rows_out
+    return rows_out, columns_out
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def _interleaved(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median ms per call of each callable, `reps` timed calls each, alternating in blocks of BLOCK calls."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for block in range(0, reps, BLOCK):
+        for name, call in calls.items():
+            call()  # untimed: brings this kernel's weight back into the caches
+            for _ in range(min(BLOCK, reps - block)):
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+    return {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
+
+
+def plot(rows: list[dict], columns: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (ax, cx) = plt.subplots(1, 2, figsize=(12, 3.8))
     for name in rows[0]["median_ms"]:
         ax.plot([r["rows"] for r in rows], [r["median_ms"][name] for r in rows], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("rows (sequences sampled in the step)")
     ax.set_ylabel("median ms per full head")
     ax.legend()
+    for n_rows in COLUMN_ROWS:
+        mine = [c for c in columns if c["rows"] == n_rows]
+        for name in mine[0]["median_ms"]:
+            cx.plot([c["columns"] for c in mine], [c["median_ms"][name] for c in mine], marker="o",
+                    label=f"{name}, {n_rows} row{'s' if n_rows > 1 else ''}")
+    cx.set_xlabel("columns (the sparse head's union of allowed ids)")
+    cx.set_ylabel("median ms per column form")
+    cx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -156,9 +188,9 @@ def run_bench(args) -> int:
         print("--reps must be at least 1", file=sys.stderr)
         return 2
     started = time.time()
-    rows = measure(args)
-    write_result(args, machine(), started, "lm-head", rows=rows)
-    plot(rows, args.out / "lm-head.png")
+    rows, columns = measure(args)
+    write_result(args, machine(), started, "lm-head", rows=rows, columns=columns)
+    plot(rows, columns, args.out / "lm-head.png")
     names = list(rows[0]["median_ms"])
     print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | plain / packed | columns exact |")
     print("|---|" + "---|" * len(names) + "---|---|")
@@ -167,4 +199,11 @@ def run_bench(args) -> int:
         ratio = f"{ms['plain'] / ms['onednn_packed']:.2f}" if "onednn_packed" in ms else "–"
         exact = ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in r["columns_exact"].items())
         print(f"| {r['rows']} | " + " | ".join(f"{ms[n]:.2f}" for n in names) + f" | {ratio} | {exact} |")
+    kernels = list(columns[0]["median_ms"])
+    print()
+    print("| rows | columns | " + " | ".join(f"{n} ms (share of its full head)" for n in kernels) + " |")
+    print("|---|---|" + "---|" * len(kernels))
+    for c in columns:
+        print(f"| {c['rows']} | {c['columns']:,} | "
+              + " | ".join(f"{c['median_ms'][n]:.2f} ({c['share_of_full'][n]:.2f})" for n in kernels) + " |")
     return 0
