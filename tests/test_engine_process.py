@@ -54,9 +54,22 @@ def _config(grammar, **overrides):
     return InferenceServiceConfig(**{**base, **overrides})
 
 
+def _split(grammar, **overrides):
+    """A split server on a fresh free port for its metrics. free_port() only says the port was free: the core
+    binds it seconds later (after its imports), and a port taken meanwhile fails the start with "Address
+    already in use"; that start is retried on another port (the test below takes a port on purpose)."""
+    for attempt in range(3):
+        try:
+            return InferenceServerThread(_config(grammar, **overrides), engine_process="on",
+                                         start_timeout=START_TIMEOUT_SECONDS)
+        except RuntimeError as e:  # the port's, when someone else bound it first; anything else is the test's failure
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+
+
 @pytest.fixture(scope="module")
 def split_server(grammar_server):
-    srv = InferenceServerThread(_config(grammar_server), engine_process="on", start_timeout=START_TIMEOUT_SECONDS)
+    srv = _split(grammar_server)
     yield srv
     srv.stop()
 
@@ -151,8 +164,7 @@ def test_many_requests_at_once_each_get_their_own_stream(split_server):
 # ------------------------------------------------------------ the core's lifecycle (own servers)
 
 def _simulated(grammar):
-    return InferenceServerThread(_config(grammar, simulate_step_ms=5.0, grace_seconds=1.0, num_threads=1),
-                                 engine_process="on", start_timeout=START_TIMEOUT_SECONDS)
+    return _split(grammar, simulate_step_ms=5.0, grace_seconds=1.0, num_threads=1)
 
 
 def test_stop_cancels_what_is_in_flight_and_ends_the_core(grammar_server):
