@@ -217,10 +217,12 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
 def test_a_core_stopped_while_starting_writes_where_it_was_first(grammar_server, capfd):
     from inference_svc.server import InferenceServer
 
-    nobody = f"127.0.0.1:{free_port()}"  # no grammar replica: the core waits for one until the starter gives up
+    # No grammar replica: the core waits for one until the starter gives up, 30 s in (its imports, a few
+    # seconds, are behind it by then; a SIGUSR1 before its faulthandler is set would end it without a word).
+    nobody = f"127.0.0.1:{free_port()}"
     cfg = _config(grammar_server, grammar_targets=(nobody,), simulate_step_ms=5.0, metrics_port=0)
     with pytest.raises(TimeoutError, match=r"engine_client\.py:\d+ in ready"):
-        ServiceThread(InferenceServer(cfg), "stuck-core", start_timeout=15.0, grammar_connect_timeout=600.0)
+        ServiceThread(InferenceServer(cfg), "stuck-core", start_timeout=30.0, grammar_connect_timeout=600.0)
     # faulthandler's dump, from the core (its main() is at the bottom of its main thread's stack).
     assert re.search(r'File ".*engine_core\.py", line \d+ in main', capfd.readouterr().err)
 

@@ -12,6 +12,9 @@ on a private event loop in a daemon thread. Tests and in-process benchmarks
 use it to reach a real server over real gRPC on loopback while still being
 able to look at its internals: `call` runs a coroutine on the server's loop,
 `run_sync` a plain function there (engine state is only touched on that loop).
+A server that cannot start raises its reason at once (its SystemExit as
+RuntimeError), one that does not start in time says which await it is on,
+and either is stopped before the error reaches the starter.
 """
 
 from __future__ import annotations
