@@ -230,19 +230,23 @@ class ServiceThread:
         self.server = server
         starting = server.start(**start_kwargs)
         try:
-            try:
-                self.call(starting, timeout=start_timeout)
-            except TimeoutError:
-                raise TimeoutError(f"{name} did not start within {start_timeout:.0f} s; its start() waits at "
-                                   f"{' -> '.join(_awaiting(starting)) or 'nothing (its loop is blocked)'}") from None
-        except Exception:
-            # The server's (it could not start): whatever it did start is stopped, so a test that expected it
-            # to start fails with the reason and leaves no listener, engine core or loop thread behind.
-            try:
-                self.stop()
-            except Exception:  # noqa: BLE001 - a half-started server's stop; the start's error is the one to see
-                log.exception("stopping %s after its failed start", name)
+            self.call(starting, timeout=start_timeout)
+        except TimeoutError:
+            waits = " -> ".join(_awaiting(starting)) or "nothing (its loop is blocked)"
+            self._abandon(name)
+            raise TimeoutError(
+                f"{name} did not start within {start_timeout:.0f} s; its start() waits at {waits}") from None
+        except Exception:  # the server's: it could not start
+            self._abandon(name)
             raise
+
+    def _abandon(self, name: str) -> None:
+        """After a failed start: whatever the server did start is stopped, so the starter hears the start's
+        error and no listener, engine core or loop thread is left behind."""
+        try:
+            self.stop()
+        except Exception:  # noqa: BLE001 - a half-started server's stop; the start's error is the one to see
+            log.exception("stopping %s after its failed start", name)
 
     def call(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(_contained(coro), self.loop).result(timeout)
