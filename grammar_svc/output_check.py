@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from shared.errors import CheckTimeoutError, InvalidGrammarError, InvalidRequestError
 
 if TYPE_CHECKING:  # the worker processes import this module: they need neither
-    from grammar_svc.backend import GrammarBackend
+    from grammar_svc.compile.backend import GrammarBackend
     from grammar_svc.metrics import GrammarMetrics
 
 # Violations listed per document, and characters per message: the report rides on a response.

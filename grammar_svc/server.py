@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from grammar_svc import preload
-from grammar_svc.backend import GrammarBackend
+from grammar_svc.compile import preload
+from grammar_svc.compile.backend import GrammarBackend
 from grammar_svc.config import GrammarServiceConfig
-from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.step.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.output_check import OutputChecks
 from grammar_svc.servicer import GrammarServicer
-from grammar_svc.sessions import SessionLimiter
+from grammar_svc.step.sessions import SessionLimiter
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
 from shared.service_host import Hosted, ServiceHost, run_until_signalled

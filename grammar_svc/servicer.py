@@ -13,14 +13,14 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 
-from grammar_svc.backend import GrammarBackend
-from grammar_svc import schema_warnings
-from grammar_svc.mask_filler import MaskFiller
+from grammar_svc.compile.backend import GrammarBackend
+from grammar_svc.schema import schema_warnings
+from grammar_svc.step.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.output_check import OutputChecks
-from grammar_svc.sessions import SessionLimiter, StreamSessions
-from grammar_svc.spec import GrammarSpec, JsonOptions, Kind, Whitespace
-from grammar_svc.stepper import SessionOp, Status, Stepper
+from grammar_svc.step.sessions import SessionLimiter, StreamSessions
+from grammar_svc.compile.spec import GrammarSpec, JsonOptions, Kind, Whitespace
+from grammar_svc.step.stepper import SessionOp, Status, Stepper
 from shared import status as status_map
 from shared.errors import InvalidGrammarError
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_svc.model_loading import DTYPES, reference_problem
+from inference_svc.model.model_loading import DTYPES, reference_problem
 from shared.flags import FlagSet
 from shared.tls import (ClientTls, ServerTls, add_client_flags, add_server_flags, client_tls_from_args,
                         server_tls_from_args)
@@ -169,12 +169,12 @@ class InferenceServiceConfig:
         masked and drawn on the host, outweigh the streams, which overlap the forward anyway."""
         if self.engine_process != "auto":
             return self.engine_process == "on"
-        from inference_svc.model_loading import default_device
+        from inference_svc.model.model_loading import default_device
 
         return (self.device or default_device()).startswith("cuda")
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        from inference_svc.compiled_forward import bucket_sizes
+        from inference_svc.model.compiled_forward import bucket_sizes
 
         return tuple(sorted(set(self.compile_buckets))) or bucket_sizes(self.engine.max_num_batched_tokens)
 

@@ -24,16 +24,16 @@ import sys
 from collections.abc import Sequence
 
 from inference_svc.config import InferenceServiceConfig
-from inference_svc.engine import Engine
-from inference_svc.engine_client import EngineClient
-from inference_svc.engine_stack import (GIL_SWITCH_INTERVAL_SECONDS, EngineStack, load_chat, load_runner,
+from inference_svc.engine.engine import Engine
+from inference_svc.core.engine_client import EngineClient
+from inference_svc.core.assembly import (GIL_SWITCH_INTERVAL_SECONDS, EngineAssembly, load_chat, load_runner,
                                         load_tokenizer, resolve_source)
-from inference_svc.frontend import Frontend, ServingInfo
-from inference_svc.grammar_tier import GrammarTier
+from inference_svc.api.frontend import Frontend, ServingInfo
+from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
-from inference_svc.model_loading import ModelInfo, ModelNotFoundError, ModelSource
-from inference_svc.servicer import InferenceServicer
-from inference_svc.tensor_parallel import SPAWNED_ENV, RankInfo, rank_from_env, spawn_local_ranks, worker_loop
+from inference_svc.model.model_loading import ModelInfo, ModelNotFoundError, ModelSource
+from inference_svc.api.servicer import InferenceServicer
+from inference_svc.model.tensor_parallel import SPAWNED_ENV, RankInfo, rank_from_env, spawn_local_ranks, worker_loop
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.service_host import Hosted, ServiceHost, run_until_signalled
@@ -55,7 +55,7 @@ class InferenceServer(Hosted):
         self.model_info: ModelInfo | None = None
         # With the engine in this process: its stack, runner, grammar tier and metrics (with --engine-process
         # on they live in the core process, and `engine` is the EngineClient that talks to it).
-        self.stack: EngineStack | None = None
+        self.stack: EngineAssembly | None = None
         self.runner = None
         self.metrics = InferenceMetrics()
         self.engine: Engine | EngineClient | None = None
@@ -78,7 +78,7 @@ class InferenceServer(Hosted):
         else:
             if c.metrics_port:
                 self.host.serve_metrics(c.host, c.metrics_port, self.metrics.registry)
-            self.stack = EngineStack(c, self.metrics, self.rank, self.source, on_fatal=self._engine_died)
+            self.stack = EngineAssembly(c, self.metrics, self.rank, self.source, on_fatal=self._engine_died)
             served = await self.stack.build()
             self.engine, self.runner, self.grammar = self.stack.engine, self.stack.runner, self.stack.grammar
             self.model_info = served.info

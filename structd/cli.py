@@ -104,7 +104,7 @@ BENCHMARKS = [
      "alternating rep by rep in one process: medians, eager/compiled ratios and greedy agreement."),
     ("lm-head", "structd.bench.lm_head",
      "lm-head: the LM head's kernels (F.linear vs oneDNN over the reordered weight) at 1 to 64 rows, interleaved",
-     "The embedded model's 129,280 x 256 head at 1 to 64 rows with each kernel of inference_svc/lm_head.py, "
+     "The embedded model's 129,280 x 256 head at 1 to 64 rows with each kernel of inference_svc/model/head/lm_head.py, "
      "alternating in blocks of calls in one process: medians, the ratio, whether each column form is bitwise its "
      "full head, the greedy head's screen, and each column form at 1,000-20,000 ids (the sparse head's cost); "
      "--vllm-python adds vLLM's own CPU kernel for reference."),

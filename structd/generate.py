@@ -61,7 +61,7 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
 
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
-# The server's bound on alternatives per token (inference_svc.sampling.MAX_TOP_LOGPROBS).
+# The server's bound on alternatives per token (inference_svc.engine.sampling.MAX_TOP_LOGPROBS).
 _MAX_TOP_LOGPROBS = 20
 
 

@@ -16,7 +16,7 @@ import torch
 def reference_model():
     from transformers import AutoModelForCausalLM
 
-    from inference_svc.embedded_model import ensure_embedded_model
+    from inference_svc.model.embedded_model import ensure_embedded_model
 
     path = ensure_embedded_model(progress=None)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()

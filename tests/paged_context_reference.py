@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from inference_svc.attention import ChunkPlan, DecodeGroup, PagedAttentionContext
-from inference_svc.paged_kv import PagedKVCache
+from inference_svc.model.attention import ChunkPlan, DecodeGroup, PagedAttentionContext
+from inference_svc.model.paged_kv import PagedKVCache
 
 
 def reference_context(kv_cache: PagedKVCache, query_lens: Sequence[int], context_lens: Sequence[int],

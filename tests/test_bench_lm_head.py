@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from structd import cli
-from inference_svc.sparse_head import MAX_SPARSE_IDS
+from inference_svc.model.head.sparse_head import MAX_SPARSE_IDS
 from structd.bench.lm_head import COLUMN_ROWS, COLUMN_WIDTHS, ROWS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

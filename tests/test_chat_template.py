@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from inference_svc.chat import NO_TEMPLATE, ChatMessage, ChatTemplate, ChatTemplateError
-from inference_svc.embedded_model import CHAT_TEMPLATE, EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.model_family import load_family
-from inference_svc.tool_calls import ParsedToolCall, ToolCallParser, ToolSpec
+from inference_svc.api.chat import NO_TEMPLATE, ChatMessage, ChatTemplate, ChatTemplateError
+from inference_svc.model.embedded_model import CHAT_TEMPLATE, EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.api.model_family import load_family
+from inference_svc.api.tool_calls import ParsedToolCall, ToolCallParser, ToolSpec
 from shared.errors import InvalidRequestError
 
 BOS, USER, ASSISTANT, THINK, END_THINK, EOS = 0, 128803, 128804, 128821, 128822, 1

@@ -1,4 +1,4 @@
-"""The grammar tier client remembers what a replica answered to Compile (inference_svc/grammar_tier.py).
+"""The grammar tier client remembers what a replica answered to Compile (inference_svc/grammar/grammar_tier.py).
 
 A second request with the same constraint on the same replica is placed
 without a Compile RPC, with the same grammar id and warnings; a replay always
@@ -13,8 +13,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from inference_svc.grammar_session import Constraint, GrammarSession
-from inference_svc.grammar_tier import GrammarRow, GrammarTier, RowOutcome
+from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_tier import GrammarRow, GrammarTier, RowOutcome
 from shared.codec import words_for_vocab
 from tests.conftest import start_grammar_server
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from inference_svc import config as iconfig
-from inference_svc.compiled_forward import CompiledBody, CompileSettings, bucket_sizes, inductor_mode
-from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.model_loading import load_model
-from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
-from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
+from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, bucket_sizes, inductor_mode
+from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.model.model_loading import load_model
+from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 
 TINY = EmbeddedModelSpec(name="compile-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128)

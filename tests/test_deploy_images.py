@@ -84,9 +84,9 @@ def test_dockerfile_rules(service):
 def test_inference_image_prebuilds_the_embedded_model():
     ins = instructions(DOCKERFILES["inference"])
     runs = [a for i, a in ins if i == "RUN"]
-    assert any("python -m inference_svc.embedded_model" in r for r in runs)
+    assert any("python -m inference_svc.model.embedded_model" in r for r in runs)
     user_at = max(n for n, (i, _) in enumerate(ins) if i == "USER")
-    build_at = next(n for n, (i, a) in enumerate(ins) if i == "RUN" and "inference_svc.embedded_model" in a)
+    build_at = next(n for n, (i, a) in enumerate(ins) if i == "RUN" and "inference_svc.model.embedded_model" in a)
     assert build_at < user_at, "built as root into the image, read by the service user"
 
 

@@ -194,8 +194,8 @@ def test_a_dead_core_fails_what_is_in_flight_and_turns_not_serving(grammar_serve
 
 
 def test_a_core_that_cannot_start_says_why(grammar_server):
-    from inference_svc.engine_client import EngineClient
-    from inference_svc.engine_stack import resolve_source
+    from inference_svc.core.engine_client import EngineClient
+    from inference_svc.core.assembly import resolve_source
 
     taken = _simulated(grammar_server)
     try:

@@ -2,7 +2,7 @@
 the moment a compile starts, so requests that arrive together spread evenly over the replicas; and a step
 with sessions on several replicas gets every replica's answer.
 
-Two real grammar servers on loopback, the real tier client (inference_svc/grammar_tier.py).
+Two real grammar servers on loopback, the real tier client (inference_svc/grammar/grammar_tier.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from inference_svc.grammar_session import Constraint, GrammarSession
-from inference_svc.grammar_tier import GrammarRow, GrammarTier, RowOutcome
+from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_tier import GrammarRow, GrammarTier, RowOutcome
 from shared.codec import words_for_vocab
 from tests.conftest import start_grammar_server
 

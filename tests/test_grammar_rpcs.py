@@ -408,7 +408,7 @@ def test_compile_kind_constrains(registered, prober, spec, valid, invalid):
 
 
 # xgrammar 0.2.8 hard-codes ', ' between the items of untyped values whatever the separators;
-# structd's JSON grammar makes them compact (grammar_svc/json_grammar.py).
+# structd's JSON grammar makes them compact (grammar_svc/schema/json_grammar.py).
 @pytest.mark.parametrize(
     "spec, text",
     [

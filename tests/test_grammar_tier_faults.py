@@ -17,8 +17,8 @@ import socket
 
 import pytest
 
-from inference_svc.grammar_session import Constraint, GrammarSession
-from inference_svc.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, GrammarProtocolError, GrammarRow, GrammarTier,
+from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, GrammarProtocolError, GrammarRow, GrammarTier,
                                         RowOutcome, _check_answer, _row_result)
 from structd.bench.harness import ChildService
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb

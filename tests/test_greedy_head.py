@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from inference_svc import greedy_head
-from inference_svc.greedy_head import GreedyScreen, _keys
-from inference_svc.lm_head import LmHead
-from inference_svc.sampling import RowSampler, SamplingOptions
-from inference_svc.sparse_head import SparseHead, head_plan
-from inference_svc.step_sampler import RowPlan, StepSampler
+from inference_svc.model.head import greedy_head
+from inference_svc.model.head.greedy_head import GreedyScreen, _keys
+from inference_svc.model.head.lm_head import LmHead
+from inference_svc.engine.sampling import RowSampler, SamplingOptions
+from inference_svc.model.head.sparse_head import SparseHead, head_plan
+from inference_svc.engine.step_sampler import RowPlan, StepSampler
 from shared.codec import SparseMask, words_for_vocab
 
 VOCAB = 129_280
@@ -175,7 +175,7 @@ def test_raw_bits_only_where_every_threshold_is_positive(rows, bound, raw):
 
 
 def test_a_dense_row_is_screened_with_the_ids_its_bitmask_disallows(head):
-    from inference_svc.sparse_head import disallowed_ids
+    from inference_svc.model.head.sparse_head import disallowed_ids
 
     rng = np.random.default_rng(11)
     words = words_for_vocab(VOCAB)

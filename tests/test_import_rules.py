@@ -5,7 +5,7 @@
 - shared/ imports no service nor structd/;
 - the domain modules import neither grpc nor protobuf nor the generated stubs
   (shared.gen): they work on domain types, the servicers and
-  inference_svc/grammar_tier.py translate;
+  inference_svc/grammar/grammar_tier.py translate;
 - nothing outside structd/ and tests/ imports structd/, the composition root.
 
 An import here is `import x`, `from x import y` (also as x.y: y may be a
@@ -168,19 +168,19 @@ from .sub.mod import name
 
 
 def later():
-    from grammar_svc import spec
+    from grammar_svc.compile import spec
     import importlib
     importlib.import_module("structd.cli")
     __import__("google.protobuf")
 
 
 COMMAND = [sys.executable, "-m", "structd", "grammar"]
-OTHER = ("python", "-m", "grammar_svc.compile_worker")
+OTHER = ("python", "-m", "grammar_svc.compile.compile_worker")
 '''
-    names = {name for _, name in imports_of(source, "inference_svc.engine")}
+    names = {name for _, name in imports_of(source, "inference_svc.engine.engine")}
     assert {"grpc", "os.path", "shared.gen.grammar.v1", "shared.gen", "inference_svc.sibling", "shared",
-            "inference_svc.sub.mod", "grammar_svc.spec", "structd.cli", "google.protobuf", "structd",
-            "grammar_svc.compile_worker"} <= names
+            "inference_svc.sub.mod", "grammar_svc.compile.spec", "structd.cli", "google.protobuf", "structd",
+            "grammar_svc.compile.compile_worker"} <= names
     assert {n for _, n in imports_of("from . import x", "inference_svc", is_package=True)} >= {"inference_svc.x"}
     assert _matches("shared.gen.grammar.v1", WIRE) and _matches("grpc", WIRE)
     assert not _matches("shared.generate", ("shared.gen",)) and not _matches("grpcio", WIRE)

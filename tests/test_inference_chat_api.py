@@ -44,7 +44,7 @@ def template_tokenizer(inference_server):
     """The served model's own tokenizer, with the chat template it carries."""
     from transformers import AutoTokenizer
 
-    from inference_svc.embedded_model import ensure_embedded_model
+    from inference_svc.model.embedded_model import ensure_embedded_model
 
     return AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
 

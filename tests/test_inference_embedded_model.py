@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_svc.embedded_model import (
+from inference_svc.model.embedded_model import (
     DEFAULT_SPEC,
     SPEC_FILE,
     EmbeddedModelSpec,
     ensure_embedded_model,
     model_dir_name,
 )
-from inference_svc.model_loading import load_model
-from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.model.model_loading import load_model
+from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 
 TINY = EmbeddedModelSpec(name="test-tiny", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64)

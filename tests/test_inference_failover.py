@@ -78,7 +78,7 @@ def test_lost_replica_is_replayed_on_another(two_replica_server, replicas):
 
 def test_dns_target_stands_for_every_address(grammar_server):
     """dns:///name:port (a headless Service) becomes one replica per resolved address."""
-    from inference_svc.grammar_tier import GrammarTier
+    from inference_svc.grammar.grammar_tier import GrammarTier
     from shared.tokenizer import default_description
 
     port = grammar_server.target.rsplit(":", 1)[1]  # the session's replica: the test above stops one of its own

@@ -218,7 +218,7 @@ def padded_model_dir(tmp_path_factory):
     so that without the engine's guard the padding would win nearly every argmax."""
     from safetensors.torch import load_file, save_file
 
-    from inference_svc.embedded_model import DEFAULT_SPEC, ensure_embedded_model
+    from inference_svc.model.embedded_model import DEFAULT_SPEC, ensure_embedded_model
     from shared.tokenizer import load_hf_tokenizer
 
     spec = dataclasses.replace(DEFAULT_SPEC, vocab_padding=64)

@@ -33,7 +33,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def token_bytes(hf_tokenizer):
-    from inference_svc.text_stream import token_bytes_for
+    from inference_svc.engine.text_stream import token_bytes_for
 
     return token_bytes_for(hf_tokenizer)
 

@@ -8,7 +8,7 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_svc.masking import apply_masks
+from inference_svc.engine.masking import apply_masks
 from shared.codec import MaskDecoder, MaskEncoder, words_for_vocab
 
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.model_loading import load_model
-from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
-from inference_svc.paged_kv import KVCacheSpec, OutOfBlocksError, PagedKVCache
-from inference_svc.simulated_runner import SimulatedRunner
+from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.model.model_loading import load_model
+from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.model.paged_kv import KVCacheSpec, OutOfBlocksError, PagedKVCache
+from inference_svc.model.simulated_runner import SimulatedRunner
 
 # head_dim 16, 4 query heads over 2 KV heads: the GQA paths are exercised.
 TINY = EmbeddedModelSpec(name="runner-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference_svc.paged_kv import BlockManager, KVCacheSpec, OutOfBlocksError, PagedKVCache
+from inference_svc.model.paged_kv import BlockManager, KVCacheSpec, OutOfBlocksError, PagedKVCache
 
 
 def test_allocate_extend_free_and_usage():

@@ -1,4 +1,4 @@
-"""inference_svc/sampling.py: option validation, greedy/top_k/top_p support, masks, per-request seeds, distribution.
+"""inference_svc/engine/sampling.py: option validation, greedy/top_k/top_p support, masks, per-request seeds, distribution.
 
 Draw-based checks use fixed seeds, so they are deterministic; their bounds are
 still loose enough that any correct sampler passes with any seed.
@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference_svc.sampling import (RowSampler, SamplingOptions, SeenTokens, apply_repetition_penalty, ban_unless_only,
+from inference_svc.engine.sampling import (RowSampler, SamplingOptions, SeenTokens, apply_repetition_penalty, ban_unless_only,
                                     sample, sample_with_logprobs)
 from shared.errors import InvalidRequestError
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from inference_svc.paged_kv import BlockManager
-from inference_svc.request import GenerationRequest, Phase
-from inference_svc.sampling import RowSampler, SamplingOptions
-from inference_svc.scheduler import Scheduler
-from inference_svc.text_stream import TextStream
+from inference_svc.model.paged_kv import BlockManager
+from inference_svc.engine.request import GenerationRequest, Phase
+from inference_svc.engine.sampling import RowSampler, SamplingOptions
+from inference_svc.engine.scheduler import Scheduler
+from inference_svc.engine.text_stream import TextStream
 
 
 def _req(rid: str, prompt_len: int) -> GenerationRequest:

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from inference_svc.paged_kv import KVCacheSpec
-from inference_svc.tensor_parallel import rank_from_env
+from inference_svc.model.paged_kv import KVCacheSpec
+from inference_svc.model.tensor_parallel import rank_from_env
 from shared.inference_client import InferenceClient
 from structd.bench.harness import free_port
 from tests.conftest import REPO

@@ -1,4 +1,4 @@
-"""inference_svc/text_stream.py: whole-character deltas, stop strings, special tokens, real tokenizer.
+"""inference_svc/engine/text_stream.py: whole-character deltas, stop strings, special tokens, real tokenizer.
 
 The reference is the tokenizer's own `decode(ids, skip_special_tokens=True)`
 on the real 129,280-token DeepSeek tokenizer; a small hand-made vocabulary pins
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference_svc.text_stream import Delta, TextStream, special_token_ids, token_bytes_for
+from inference_svc.engine.text_stream import Delta, TextStream, special_token_ids, token_bytes_for
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                             HealthCheck.function_scoped_fixture])

@@ -1,4 +1,4 @@
-"""structd's JSON-Schema grammar admits only documents valid against the schema (grammar_svc/json_grammar.py).
+"""structd's JSON-Schema grammar admits only documents valid against the schema (grammar_svc/schema/json_grammar.py).
 
 Each fix is checked at the mask level: the compiled grammar (real xgrammar,
 real tokenizer) takes a document token by token, every token inside the
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.json_grammar import GRAMMAR_REVISION, compile_json_schema, normalised_schema_text
-from grammar_svc.schema_normalise import normalise_schema
-from grammar_svc.spec import GrammarSpec, JsonOptions, Kind
+from grammar_svc.schema.json_grammar import GRAMMAR_REVISION, compile_json_schema, normalised_schema_text
+from grammar_svc.schema.schema_normalise import normalise_schema
+from grammar_svc.compile.spec import GrammarSpec, JsonOptions, Kind
 from structd.bench.validity import CLOSING, walk
 from tests.conftest import load_jsonl, shared_data
 

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.json_grammar import compile_json_schema
-from grammar_svc.spec import JsonOptions
+from grammar_svc.schema.json_grammar import compile_json_schema
+from grammar_svc.compile.spec import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
@@ -111,7 +111,7 @@ def outcomes(grammar_server, registered, xgr_tokenizer_info) -> dict[tuple[str, 
                 if status != "timeout":
                     # The service finished within the deadline, so xgrammar will too.
                     try:
-                        # The service's grammar for it (grammar_svc/json_grammar.py), compiled here.
+                        # The service's grammar for it (grammar_svc/schema/json_grammar.py), compiled here.
                         o.compiled = compile_json_schema(compiler, text, JsonOptions())
                         o.direct = "ok"
                     except Exception as e:  # noqa: BLE001 - any failure is "xgrammar refuses it"

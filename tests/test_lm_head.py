@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from inference_svc import config as iconfig
-from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.lm_head import LmHead, PackedKernel, PlainKernel
-from inference_svc.model_loading import load_model
-from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
-from inference_svc.sparse_head import SparseHead
+from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.model.head.lm_head import LmHead, PackedKernel, PlainKernel
+from inference_svc.model.model_loading import load_model
+from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.model.head.sparse_head import SparseHead
 
 VOCAB = 129_280
 WIDTH = 256
@@ -105,7 +105,7 @@ class _RoundsColumnsDifferently(PlainKernel):
 
 def test_a_kernel_whose_columns_differ_is_refused(weight, monkeypatch):
     # The start-up check, not a promise about the CPU: a kernel failing it is never used for columns.
-    import inference_svc.lm_head as lm_head
+    import inference_svc.model.head.lm_head as lm_head
 
     monkeypatch.setattr(lm_head, "PackedKernel", _RoundsColumnsDifferently)
     monkeypatch.setattr(_RoundsColumnsDifferently, "available", staticmethod(lambda w: True), raising=False)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.cache import CompiledEntry
-from grammar_svc.mask_filler import SLOW_ROW_SECONDS, MaskFiller
-from grammar_svc.session import GrammarSession
-from grammar_svc.tokenizer_registry import RegisteredTokenizer
+from grammar_svc.compile.cache import CompiledEntry
+from grammar_svc.step.mask_filler import SLOW_ROW_SECONDS, MaskFiller
+from grammar_svc.step.session import GrammarSession
+from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer
 from shared.codec import SAME_AS, MaskDecoder, MaskEncoder, StreamMaskCache, assign_wire_forms, words_for_vocab
 
 VOCAB = [chr(ord("a") + i) for i in range(26)] + [str(d) for d in range(10)] + ["</s>"]

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.json_grammar import compile_json_schema
-from grammar_svc.spec import JsonOptions
+from grammar_svc.schema.json_grammar import compile_json_schema
+from grammar_svc.compile.spec import JsonOptions
 from shared.codec import words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
@@ -115,7 +115,7 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
                 assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
                 service_ok, gid = False, ""
             try:
-                # The service's grammar for it (grammar_svc/json_grammar.py), compiled here.
+                # The service's grammar for it (grammar_svc/schema/json_grammar.py), compiled here.
                 compiled = compile_json_schema(compiler, text, JsonOptions())
             except Exception:  # noqa: BLE001 - xgrammar refuses the schema
                 compiled = None

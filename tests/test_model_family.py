@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from inference_svc.model_family import (
+from inference_svc.api.model_family import (
     ModelFamily,
     ModelFamilyError,
     ToolCallFormat,

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from inference_svc.config import EngineConfig, InferenceServiceConfig
-from inference_svc.embedded_model import DEFAULT_SPEC, EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.engine_stack import load_runner
-from inference_svc.model_loading import (ModelNotFoundError, checkpoint_dtype, load_model, native_dtypes,
+from inference_svc.model.embedded_model import DEFAULT_SPEC, EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.core.assembly import load_runner
+from inference_svc.model.model_loading import (ModelNotFoundError, checkpoint_dtype, load_model, native_dtypes,
                                          pick_dtype, resolve_model)
 from shared.inference_client import InferenceClient
 from structd.bench.harness import free_port

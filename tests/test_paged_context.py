@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from inference_svc.attention import PagedAttentionContext
-from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
+from inference_svc.model.attention import PagedAttentionContext
+from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 from tests.paged_context_reference import reference_context
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1)

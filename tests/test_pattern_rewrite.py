@@ -1,4 +1,4 @@
-"""Bounded patterns and long bounds change no mask (grammar_svc/bounded_patterns.py, grammar_svc/bounded_strings.py).
+"""Bounded patterns and long bounds change no mask (grammar_svc/schema/bounded_patterns.py, grammar_svc/schema/bounded_strings.py).
 
 One-class bounded `pattern` strings are printed as bounded strings and put in
 tail form; strings of more than 128 optional characters take the blocked
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.bounded_patterns import patterns_as_bounded_strings
-from grammar_svc.bounded_strings import rewrite_bounded_strings
-from grammar_svc.json_grammar import compile_json_schema, json_schema_ebnf
-from grammar_svc.spec import JsonOptions
+from grammar_svc.schema.bounded_patterns import patterns_as_bounded_strings
+from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
+from grammar_svc.schema.json_grammar import compile_json_schema, json_schema_ebnf
+from grammar_svc.compile.spec import JsonOptions
 
 
 @pytest.fixture(scope="module")

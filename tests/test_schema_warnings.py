@@ -1,4 +1,4 @@
-"""Pins grammar_svc/schema_warnings.py to what xgrammar 0.2.8 really does.
+"""Pins grammar_svc/schema/schema_warnings.py to what xgrammar 0.2.8 really does.
 
 For every keyword the scanner calls ignored (and every format it calls not
 enforced) a schema using it is compiled with xgrammar directly, with the
@@ -22,8 +22,8 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.schema_warnings import ENFORCED_FORMATS, IGNORED_KEYWORDS, MAX_WARNINGS, scan
-from grammar_svc.spec import JsonOptions
+from grammar_svc.schema.schema_warnings import ENFORCED_FORMATS, IGNORED_KEYWORDS, MAX_WARNINGS, scan
+from grammar_svc.compile.spec import JsonOptions
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
 from tests.conftest import run

@@ -18,10 +18,10 @@ import pytest
 import xgrammar as xgr
 
 from grammar_svc import config as gconfig
-from grammar_svc.cache import CompiledEntry
-from grammar_svc.mask_filler import MaskFiller
-from grammar_svc.session import GrammarSession
-from grammar_svc.tokenizer_registry import RegisteredTokenizer
+from grammar_svc.compile.cache import CompiledEntry
+from grammar_svc.step.mask_filler import MaskFiller
+from grammar_svc.step.session import GrammarSession
+from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer
 from shared.codec import MaskEncoder
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from inference_svc.embedded_model import EmbeddedModelSpec, ensure_embedded_model
-from inference_svc.model_loading import load_model
-from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
-from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
-from inference_svc.sampling import RowSampler, SamplingOptions
-from inference_svc.sparse_head import MAX_SPARSE_IDS, head_plan
-from inference_svc.step_sampler import RowPlan, StepSampler
+from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
+from inference_svc.model.model_loading import load_model
+from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
+from inference_svc.engine.sampling import RowSampler, SamplingOptions
+from inference_svc.model.head.sparse_head import MAX_SPARSE_IDS, head_plan
+from inference_svc.engine.step_sampler import RowPlan, StepSampler
 from shared.codec import SparseMask, words_for_vocab
 
 TINY = EmbeddedModelSpec(name="sparse-head-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

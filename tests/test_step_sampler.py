@@ -1,4 +1,4 @@
-"""inference_svc/step_sampler.py: greedy rows with a disallowed-id list or a dense mask draw what the written mask
+"""inference_svc/engine/step_sampler.py: greedy rows with a disallowed-id list or a dense mask draw what the written mask
 would give.
 
 On the CPU such a row's mask is checked at the row's argmax instead of
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from inference_svc.sampling import RowSampler, SamplingOptions
-from inference_svc.step_sampler import RowPlan, StepSampler
+from inference_svc.engine.sampling import RowSampler, SamplingOptions
+from inference_svc.engine.step_sampler import RowPlan, StepSampler
 from shared.codec import SparseMask, words_for_vocab
 from shared.errors import NoAllowedTokenError
 

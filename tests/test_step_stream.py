@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.json_grammar import compile_json_schema
-from grammar_svc.spec import JsonOptions
+from grammar_svc.schema.json_grammar import compile_json_schema
+from grammar_svc.compile.spec import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
@@ -548,7 +548,7 @@ BOUNDED = {"type": "object", "properties": {
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bounded_strings_mask_like_xgrammar(registered, compiler, xgr_tokenizer_info, eos, seed):
-    """The service compiles bounded strings in tail form (grammar_svc/bounded_strings.py): every mask of a
+    """The service compiles bounded strings in tail form (grammar_svc/schema/bounded_strings.py): every mask of a
     random walk, short tokens preferred so every length is visited, equals xgrammar's own form's mask."""
     rng = random.Random(seed)
     reference = Local(compile_local(compiler, BOUNDED))

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from inference_svc.model_family import ModelFamily, load_family
-from inference_svc.tool_calls import ToolCallParser
+from inference_svc.api.model_family import ModelFamily, load_family
+from inference_svc.api.tool_calls import ToolCallParser
 from shared.errors import InvalidRequestError
 
 DEEPSEEK = load_family("deepseek")

@@ -17,11 +17,11 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.spec import GrammarSpec, Kind, compile_spec
+from grammar_svc.compile.spec import GrammarSpec, Kind, compile_spec
 
-from inference_svc.grammar_session import Constraint, JsonOptions
-from inference_svc.model_family import ModelFamily, load_family
-from inference_svc.tool_calls import (
+from inference_svc.grammar.grammar_link import Constraint, JsonOptions
+from inference_svc.api.model_family import ModelFamily, load_family
+from inference_svc.api.tool_calls import (
     MAX_TOOLS,
     ToolCallParser,
     ToolChoice,
@@ -93,7 +93,7 @@ ANSWERS = [
     pytest.param(lambda f: calls(f, ("send_email", '{}')), False, False, False, id="unknown-tool"),
     pytest.param(lambda f: calls(f, ("get_weather", '{"city": "Paris"}')), False, False, False,
                  id="not-compact"),
-    # Arguments compile through structd's JSON grammar (grammar_svc/structural_tags.py): bounded strings
+    # Arguments compile through structd's JSON grammar (grammar_svc/compile/structural_tags.py): bounded strings
     # are JSON strings, as in a json_schema constraint (xgrammar alone takes the raw tab, refuses the escape).
     pytest.param(lambda f: calls(f, ("get_weather", '{"city":"Pa\tris"}')), False, False, False,
                  id="raw-tab-in-a-bounded-string"),

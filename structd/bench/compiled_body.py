@@ -39,10 +39,10 @@ def measure(args) -> list[dict]:
     """Medians per step and variant, interleaved rep by rep, with each variant's greedy agreement."""
     import torch
 
-    from inference_svc.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
-    from inference_svc.embedded_model import ensure_embedded_model
-    from inference_svc.model_loading import load_model
-    from inference_svc.model_runner import PagedModelRunner, SequenceChunk, StepBatch
+    from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
+    from inference_svc.model.embedded_model import ensure_embedded_model
+    from inference_svc.model.model_loading import load_model
+    from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_embedded_model()

@@ -1,7 +1,7 @@
 """`structd bench json-grammar`: what structd's JSON grammar costs against the path before it.
 
 "Before" is xgrammar 0.2.8's grammar for the schema as given, with bounded
-strings in tail form (the service's path before grammar_svc/json_grammar.py);
+strings in tail form (the service's path before grammar_svc/schema/json_grammar.py);
 "after" is structd's (normalised schema, JSON strings, pattern/format strings,
 compact untyped values, tail form). On a shared, noisy machine two runs
 minutes apart cannot separate a few percent, so both are measured in one
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _before(compiler, text: str, opts):
     import xgrammar as xgr
 
-    from grammar_svc.bounded_strings import rewrite_bounded_strings
+    from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
 
     ebnf = str(xgr.Grammar.from_json_schema(text, **opts.xgrammar_kwargs()))
     return compiler.compile_grammar(rewrite_bounded_strings(ebnf)[0])
@@ -55,8 +55,8 @@ def measure(schema: dict, info, vocab: list[bytes], closing, max_tokens: int, se
     import numpy as np
     import xgrammar as xgr
 
-    from grammar_svc.json_grammar import compile_json_schema, normalised_schema_text
-    from grammar_svc.spec import JsonOptions
+    from grammar_svc.schema.json_grammar import compile_json_schema, normalised_schema_text
+    from grammar_svc.compile.spec import JsonOptions
     from shared.codec import allowed_ids
 
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -1,7 +1,7 @@
 """`structd bench lm-head`: the LM head's kernels (lm_head.py) on the embedded model's head, interleaved.
 
 Loads the embedded model's output embedding (129,280 x 256, float32) and
-times the full head at 1 to 64 rows with each kernel of inference_svc/lm_head.py
+times the full head at 1 to 64 rows with each kernel of inference_svc/model/head/lm_head.py
 (plain = F.linear, onednn_packed = oneDNN over the reordered weight), the
 kernels alternating in short blocks so machine noise hits them alike; checks each
 kernel's column form bitwise against its full head at every row count; times
@@ -69,11 +69,11 @@ def measure(args) -> tuple[list[dict], list[dict]]:
     import numpy as np
     import torch
 
-    from inference_svc.embedded_model import ensure_embedded_model
-    from inference_svc.greedy_head import GreedyScreen
-    from inference_svc.lm_head import LmHead, PackedKernel, PlainKernel
-    from inference_svc.model_loading import load_model
-    from inference_svc.sparse_head import SparseHead
+    from inference_svc.model.embedded_model import ensure_embedded_model
+    from inference_svc.model.head.greedy_head import GreedyScreen
+    from inference_svc.model.head.lm_head import LmHead, PackedKernel, PlainKernel
+    from inference_svc.model.model_loading import load_model
+    from inference_svc.model.head.sparse_head import SparseHead
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(ensure_embedded_model(), "cpu")

@@ -1,6 +1,6 @@
 """`structd bench sampler`: host time of one step's sampling on the CPU, old sampler vs current.
 
-The old sampler is inference_svc/sampling.py and step_sampler.py as of
+The old sampler is inference_svc/engine/sampling.py and step_sampler.py as of
 --old-rev (default d83242f, before the numpy greedy paths), loaded from git;
 the new one is the working tree's. Both sample the same steps (greedy rows of
 129,280 random logits: unconstrained, every row an allowed-id list of 2-300
@@ -33,16 +33,16 @@ LONG_DISALLOWED = 20_000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/sampler"))
     p.add_argument("--old-rev", default=OLD_REV,
-                   help="git revision whose inference_svc/sampling.py and step_sampler.py are the old sampler")
+                   help="git revision whose inference_svc/engine/sampling.py and step_sampler.py are the old sampler")
     p.add_argument("--rows", type=int, default=24, help="sampled rows per step")
     p.add_argument("--rounds", type=int, default=200, help="steps each sampler samples per kind")
 
 
 def load_old_sampler(rev: str):
     """The old StepSampler class, importing the old sampling module (not the working tree's)."""
-    module_at_revision(rev, "inference_svc/sampling.py", "old_sampling")
-    return module_at_revision(rev, "inference_svc/step_sampler.py", "old_step_sampler",
-                              (("from inference_svc.sampling import", "from old_sampling import"),)).StepSampler
+    module_at_revision(rev, "inference_svc/engine/sampling.py", "old_sampling")
+    return module_at_revision(rev, "inference_svc/engine/step_sampler.py", "old_step_sampler",
+                              (("from inference_svc.engine.sampling import", "from old_sampling import"),)).StepSampler
 
 
 def _plan(kind: str, rows: int, rng, bitmask):
@@ -50,7 +50,7 @@ def _plan(kind: str, rows: int, rng, bitmask):
     import numpy as np
     import torch
 
-    from inference_svc.step_sampler import RowPlan
+    from inference_svc.engine.step_sampler import RowPlan
     from shared.codec import SparseMask
 
     plan = RowPlan(sample=list(range(rows)))
@@ -78,8 +78,8 @@ def time_kind(old_cls, kind: str, rows: int, rounds: int, seed: int) -> dict:
     import numpy as np
     import torch
 
-    from inference_svc.sampling import RowSampler, SamplingOptions
-    from inference_svc.step_sampler import StepSampler
+    from inference_svc.engine.sampling import RowSampler, SamplingOptions
+    from inference_svc.engine.step_sampler import StepSampler
 
     rng = np.random.default_rng(seed)
     bitmask = torch.zeros((max(rows, 1), (VOCAB + 31) // 32), dtype=torch.int32)

@@ -1,6 +1,6 @@
 """`structd bench step-context`: host time to build one step's inputs and attention context, old builder vs current.
 
-The old builder is inference_svc/attention.py as of --old-rev (default
+The old builder is inference_svc/model/attention.py as of --old-rev (default
 08b29cc, the builder before issue 13 part 2), loaded from git, driven by the
 old runner's per-token input loop (copied below); the new one is the working
 tree's. Both run on the same batches (1, 8, 32 decodes, each alone and with a
@@ -29,13 +29,13 @@ OLD_REV = "08b29cc"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results/step-context"))
     p.add_argument("--old-rev", default=OLD_REV,
-                   help="git revision whose inference_svc/attention.py is the old builder")
+                   help="git revision whose inference_svc/model/attention.py is the old builder")
     p.add_argument("--rounds", type=int, default=2000, help="calls of each builder per batch")
     p.add_argument("--device", default="cpu")
 
 
 def load_old_attention(rev: str):
-    return module_at_revision(rev, "inference_svc/attention.py", "old_attention")
+    return module_at_revision(rev, "inference_svc/model/attention.py", "old_attention")
 
 
 def old_inputs(old, cache, batch, device):
@@ -65,7 +65,7 @@ def new_inputs(cache, batch, device):
     """What PagedModelRunner.forward builds now (the same calls, without the model)."""
     import torch
 
-    from inference_svc.attention import PagedAttentionContext
+    from inference_svc.model.attention import PagedAttentionContext
 
     chunks = batch.chunks
     tables = cache.blocks.block_tables([c.seq_id for c in chunks])
@@ -82,7 +82,7 @@ def new_inputs(cache, batch, device):
 def make_batch(cache, rng, decodes: int, mixed: bool):
     """decodes sequences of 100..600 cached tokens decoding one token; mixed: plus a 256-token prefill
     chunk and a 5-token extend (a jump-forward run)."""
-    from inference_svc.model_runner import SequenceChunk, StepBatch
+    from inference_svc.model.model_runner import SequenceChunk, StepBatch
 
     chunks = []
     for i in range(decodes):
@@ -101,7 +101,7 @@ def time_batch(old, device, rng: random.Random, decodes: int, mixed: bool, round
     """Both builders on one batch, alternating call by call (the order swapping each round): medians in us."""
     import torch
 
-    from inference_svc.paged_kv import KVCacheSpec, PagedKVCache
+    from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 
     cache = PagedKVCache(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1), num_blocks=4096)
     batch = make_batch(cache, rng, decodes, mixed)
@@ -132,7 +132,7 @@ def run_bench(args) -> int:
     try:
         old = load_old_attention(args.old_rev)
     except subprocess.CalledProcessError as e:  # the user's --old-rev: not a revision of this clone
-        print(f"cannot read inference_svc/attention.py at --old-rev {args.old_rev}: {e.stderr.strip()}",
+        print(f"cannot read inference_svc/model/attention.py at --old-rev {args.old_rev}: {e.stderr.strip()}",
               file=sys.stderr)
         return 2
     device = torch.device(args.device)

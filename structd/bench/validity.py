@@ -2,7 +2,7 @@
 
 For every schema of the JSONSchemaBench and MaskBench samples (../shared/data)
 and for each grammar, xgrammar 0.2.8 as-is, structd's
-(grammar_svc/json_grammar.py: normalised schema, JSON strings, tail form) and,
+(grammar_svc/schema/json_grammar.py: normalised schema, JSON strings, tail form) and,
 as a reference, llguidance's (--reference), seeded random walks through the
 compiled grammar's own token masks (a real matcher on the real tokenizer)
 write documents; every complete one is
@@ -180,8 +180,8 @@ def run_schema(row: dict, info, vocab, closing, args, seed: int) -> dict:
     """Both grammars of one schema: compile outcome, documents, valid ones, causes (runs in a child)."""
     import xgrammar as xgr
 
-    from grammar_svc.json_grammar import compile_json_schema
-    from grammar_svc.spec import JsonOptions
+    from grammar_svc.schema.json_grammar import compile_json_schema
+    from grammar_svc.compile.spec import JsonOptions
 
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     text = json.dumps(row["schema"])
@@ -264,7 +264,7 @@ def run_all(args, rows: list[dict]) -> list[dict]:
     from shared.tokenizer import default_description
 
     # Imported before the children fork: every schema runs the code the run started with.
-    import grammar_svc.json_grammar  # noqa: F401
+    import grammar_svc.schema.json_grammar  # noqa: F401
 
     info = xgr.TokenizerInfo.deserialize_json(default_description().info_json)
     vocab = [bytes(t) for t in info.decoded_vocab]

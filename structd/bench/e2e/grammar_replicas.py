@@ -1,7 +1,7 @@
 """The grammar tier of one `structd bench e2e --grammar-replicas` point: K grammar servers seen as one.
 
 The inference server is given every replica's address and spreads its
-sessions over them (inference_svc/grammar_tier.py). The benchmark reads the
+sessions over them (inference_svc/grammar/grammar_tier.py). The benchmark reads the
 tier as a whole: the replicas' Prometheus samples are summed (counters and
 histogram buckets add up across replicas) and their CPU seconds added, so a
 phase's grammar numbers mean the same with one replica or several.

@@ -65,8 +65,8 @@ class TransformersPeer:
         import torch
         import xgrammar as xgr
 
-        from grammar_svc.spec import JsonOptions
-        from inference_svc.model_loading import load_model
+        from grammar_svc.compile.spec import JsonOptions
+        from inference_svc.model.model_loading import load_model
 
         torch.set_num_threads(threads)
         self.threads = threads

@@ -395,7 +395,7 @@ def run_bench(args) -> int:
     }
     model_path = None
     if any(not r.simulate_step_ms for r in runners) or not args.no_peers:
-        from inference_svc.embedded_model import ensure_embedded_model
+        from inference_svc.model.embedded_model import ensure_embedded_model
 
         model_path = ensure_embedded_model()
         result["model_path"] = str(model_path)

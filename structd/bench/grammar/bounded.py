@@ -6,7 +6,7 @@ StepResponse.fill_duration_seconds is the time of exactly one row. Inside the
 string the walk prefers short tokens (the shortest of 4 random allowed
 non-quote tokens) so that every position of the string is visited. The same
 token sequences are then replayed on the bounded-string rewrite of the same
-schema (grammar_svc.bounded_strings), compiled by the server as an EBNF spec,
+schema (grammar_svc.schema.bounded_strings), compiled by the server as an EBNF spec,
 and every mask is compared; finally both grammars are timed locally with
 xgrammar directly.
 """
@@ -19,10 +19,10 @@ import time
 import grpc
 import numpy as np
 
-from grammar_svc.bounded_strings import rewrite_bounded_strings
-from grammar_svc.json_grammar import json_schema_ebnf
+from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
+from grammar_svc.schema.json_grammar import json_schema_ebnf
 from structd.bench.grammar.walks import open_stream, progress
-from grammar_svc.spec import JsonOptions
+from grammar_svc.compile.spec import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks

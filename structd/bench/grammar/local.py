@@ -14,7 +14,7 @@ on its own, single-threaded: the intrinsic cost of each row. On the way it
   ~127), "bounded_string_long" inside one it matches with its windowed repeat
   (longer bounds), else "other";
 - optionally compiles each schema that has a bounded string a second time
-  with the bounded-string rewrite (grammar_svc.bounded_strings), replays the
+  with the bounded-string rewrite (grammar_svc.schema.bounded_strings), replays the
   same tokens on it, checks that every mask is identical and times its fills
   (schemas without one count with their own fill times: nothing changes).
 
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from grammar_svc.bounded_strings import rewrite_bounded_strings
-from grammar_svc.json_grammar import compile_json_schema, json_schema_ebnf
+from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
+from grammar_svc.schema.json_grammar import compile_json_schema, json_schema_ebnf
 from structd.bench.grammar.walks import WalkRun, progress
-from grammar_svc.spec import JsonOptions
+from grammar_svc.compile.spec import JsonOptions
 
 # xgrammar 0.2.8 matches the characters of a string with minLength/maxLength
 # with this class (plain strings use [^\0-\x1f"\\\r\n] plus escapes); bounds

@@ -16,7 +16,7 @@ JSONSchemaBench sample measures
 3. a local pass with xgrammar directly over the same sessions: the per-row
    fill time the wire does not carry, the class of each row (inside a
    maxLength string or not), and the bounded-string rewrite on the same
-   tokens (grammar_svc.bounded_strings), checked mask by mask;
+   tokens (grammar_svc.schema.bounded_strings), checked mask by mask;
 4. the bounded-string micro-benchmark (structd.bench.grammar.bounded).
 
 Writes <out>/grammar-bench.json (every aggregate, the machine, the command

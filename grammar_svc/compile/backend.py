@@ -1,0 +1,278 @@
+"""Engine-level grammar backend: tokenizers, compilation and the compiled-grammar cache (masks are the
+sessions' and the mask filler's).
+
+The request-level counterpart is `grammar_svc.step.session.GrammarSession` (the
+same two levels as vLLM's structured-output backend types). Compiles of the
+same grammar are coalesced (single flight) and run in killable worker
+processes, so a request never waits on another request's grammar. A compile
+whose every caller went away is cancelled (its worker is killed). A worker
+that dies under a compile is replaced and the compile retried; a spec that
+kills `CRASH_LIMIT` workers in a row is refused from the failure cache.
+
+Per-caller limits live here too: distinct compiles a caller may wait on
+(caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
+short is RESOURCE_EXHAUSTED naming --max-compile-timeout-seconds, not a
+deadline the client chose), and the tokenizer registry's size (an evicted
+tokenizer takes its compiled grammars and compile workers' copies with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import xgrammar as xgr
+
+from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
+from grammar_svc.compile.caller_compiles import CallerCompiles
+from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
+from grammar_svc.metrics import GrammarMetrics
+from grammar_svc.compile.spec import GrammarSpec, Kind, compile_spec
+from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
+from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, LimitExceededError,
+                           NotFoundError, StructdError)
+
+log = logging.getLogger(__name__)
+
+# A spec under which this many workers died is refused (a compiler crash is deterministic
+# far more often than not; one death alone may be the OOM killer or an operator).
+CRASH_LIMIT = 2
+# Specs whose crashes are remembered (oldest forgotten first).
+CRASH_MEMORY = 4096
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    entry: CompiledEntry
+    cache_hit: bool
+
+
+class _Flight:
+    """One compile in progress and how many callers still wait for it."""
+
+    def __init__(self, task: asyncio.Task, fingerprint: str):
+        self.task = task
+        self.fingerprint = fingerprint
+        self.waiters = 0
+
+
+class GrammarBackend:
+    def __init__(self, *, compile_workers: int, cache_bytes: int, max_spec_bytes: int,
+                 default_timeout_seconds: float, metrics: GrammarMetrics, max_timeout_seconds: float = 60.0,
+                 timeout_cache_seconds: float = 30.0, max_compile_workers: int = 0,
+                 compile_lane_after_seconds: float = 0.5, max_tokenizers: int = 16,
+                 max_compiles_per_caller: int = 64,
+                 tokenizers_in_sessions: Callable[[], set[str]] = set):
+        self._tokenizers_in_sessions = tokenizers_in_sessions
+        self.tokenizers = TokenizerRegistry(max_tokenizers, self._tokenizers_in_use)
+        self.callers = CallerCompiles(max_compiles_per_caller, metrics)
+        self.cache = GrammarCache(cache_bytes)
+        self.pool = CompilePool(compile_workers, self.tokenizers.worker_payloads, max_workers=max_compile_workers,
+                                lane_after_seconds=compile_lane_after_seconds, metrics=metrics)
+        # In-process compilers (one per tokenizer) for compiles a worker showed to be fast.
+        self._local_compilers: dict[str, object] = {}
+        self.max_spec_bytes = max_spec_bytes
+        self.default_timeout_seconds = default_timeout_seconds
+        self.max_timeout_seconds = max_timeout_seconds
+        self.timeout_cache_seconds = timeout_cache_seconds
+        self.metrics = metrics
+        self._inflight: dict[str, _Flight] = {}
+        # grammar id -> workers that died compiling it.
+        self._crashes: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def _tokenizers_in_use(self) -> set[str]:
+        """Tokenizers a live session or a compile in flight uses. Called from the registering thread:
+        list() of the flights is taken without releasing the GIL."""
+        return self._tokenizers_in_sessions() | {f.fingerprint for f in list(self._inflight.values())}
+
+    async def register_tokenizer(self, fingerprint: str, info_zlib: bytes,
+                                 hf_zlib: bytes) -> tuple[RegisteredTokenizer, bool]:
+        """RegisterTokenizer: (tokenizer, already_registered); evicts unused tokenizers to make room."""
+        try:
+            tok, already, evicted = await asyncio.to_thread(self.tokenizers.register, fingerprint, info_zlib, hf_zlib)
+        except TokenizersFullError:  # the caller's: every slot is in use; counted, then mapped
+            self.metrics.limit_rejections.labels("tokenizers").inc()
+            raise
+        for fp in evicted:
+            dropped = self.cache.drop_tokenizer(fp)
+            self._local_compilers.pop(fp, None)
+            self.pool.forget_tokenizer(fp)
+            self.metrics.tokenizer_evictions.inc()
+            log.info("evicted unused tokenizer %s... and its %d compiled grammars (--max-tokenizers %d)",
+                     fp[:16], dropped, self.tokenizers.max_tokenizers)
+        self.metrics.tokenizers.set(len(self.tokenizers))
+        self.metrics.cache_bytes.set(self.cache.bytes)
+        return tok, already
+
+    async def compile(self, fingerprint: str, spec: GrammarSpec, timeout_seconds: float = 0.0,
+                      caller: str | None = None) -> CompileResult:
+        """The compiled grammar, from the cache or compiled now. `caller` (None: the server itself, e.g.
+        the preload) counts against --max-compiles-per-caller while it waits on a compile."""
+        timeout = timeout_seconds if timeout_seconds > 0 else self.default_timeout_seconds
+        # The client chooses its deadline, the operator how much of a core one compile may hold.
+        capped = timeout > self.max_timeout_seconds
+        try:
+            return await self._compile(fingerprint, spec, min(timeout, self.max_timeout_seconds), caller)
+        except WorkersBusyError:
+            raise  # the queue's doing, not the cap's
+        except CompileTimeoutError as e:
+            if not capped:
+                raise
+            self.metrics.limit_rejections.labels("compile_timeout_cap").inc()
+            raise LimitExceededError(
+                f"{spec.kind.value} compilation ran to this replica's cap of {self.max_timeout_seconds:g} s "
+                f"(--max-compile-timeout-seconds) before the {timeout:g} s asked for; simplify the constraint "
+                "or ask the operator to raise the cap") from e
+
+    async def _compile(self, fingerprint: str, spec: GrammarSpec, timeout: float,
+                       caller: str | None) -> CompileResult:
+        kind = spec.kind.value
+        tokenizer = self.tokenizers.get(fingerprint)
+        grammar_id = spec.grammar_id(fingerprint)
+        cached = self.cache.get(grammar_id)
+        if isinstance(cached, CompiledEntry):
+            self.metrics.cache_hits.labels(kind).inc()
+            return CompileResult(cached, True)
+        if isinstance(cached, FailedEntry) and (cached.timeout_seconds is None or timeout <= cached.timeout_seconds):
+            self.metrics.cache_hits.labels(kind).inc()
+            raise cached.error
+        self.metrics.cache_misses.labels(kind).inc()
+        try:
+            spec.validate(self.max_spec_bytes)
+        except StructdError as e:
+            self.metrics.compile_failures.labels(kind, _reason(e)).inc()
+            raise
+        if caller is not None:
+            self.callers.enter(caller, grammar_id)
+        flight = self._inflight.get(grammar_id)
+        if flight is None:
+            flight = _Flight(asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout)),
+                             tokenizer.fingerprint)
+            self._inflight[grammar_id] = flight
+            flight.task.add_done_callback(lambda f: self._compile_done(grammar_id, flight))
+        flight.waiters += 1
+        try:
+            # shield: one caller cancelling must not cancel the compile others wait on.
+            entry = await asyncio.shield(flight.task)
+        finally:
+            if caller is not None:
+                self.callers.leave(caller, grammar_id)
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                # The last caller went away (cancelled, or its deadline passed): nobody wants
+                # this grammar now, so stop the compile; the pool kills its worker.
+                if self._inflight.get(grammar_id) is flight:
+                    del self._inflight[grammar_id]
+                flight.task.cancel()
+        return CompileResult(entry, False)
+
+    def _compile_done(self, grammar_id: str, flight: _Flight) -> None:
+        if self._inflight.get(grammar_id) is flight:
+            del self._inflight[grammar_id]
+        # Waiters get the error re-raised; retrieving it here keeps a compile
+        # whose callers all went away from logging "exception never retrieved".
+        if not flight.task.cancelled():
+            flight.task.exception()
+
+    async def _compile_once(self, tokenizer: RegisteredTokenizer, spec: GrammarSpec, grammar_id: str,
+                            timeout: float) -> CompiledEntry:
+        kind = spec.kind.value
+        start = time.perf_counter()
+        try:
+            out = await self._compile_on_workers(tokenizer, spec, grammar_id, timeout)
+        except WorkersBusyError:
+            self.metrics.compile_failures.labels(kind, "busy").inc()
+            raise
+        except GrammarCrashError as e:
+            self.metrics.compile_failures.labels(kind, "crash").inc()
+            self.cache.put(FailedEntry(grammar_id, e))
+            raise
+        except CompileTimeoutError as e:
+            self.metrics.compile_failures.labels(kind, "timeout").inc()
+            # Remembered briefly: the same deadline may well be enough once the load has passed.
+            self.cache.put(FailedEntry(grammar_id, e, timeout,
+                                       expires_at=time.monotonic() + self.timeout_cache_seconds))
+            raise
+        except InvalidGrammarError as e:
+            self.metrics.compile_failures.labels(kind, "invalid").inc()
+            self.cache.put(FailedEntry(grammar_id, e))
+            raise
+        except Exception:  # noqa: BLE001 - ours or xgrammar's bug: counted, then mapped to INTERNAL
+            self.metrics.compile_failures.labels(kind, "error").inc()
+            raise
+        finally:
+            self.metrics.cache_bytes.set(self.cache.bytes)
+        if out.serialized is None:
+            compiled = await asyncio.to_thread(compile_spec, self._local_compiler(tokenizer), spec)
+        else:
+            compiled = await asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, out.serialized, tokenizer.info)
+        self.metrics.compile_duration.labels(kind).observe(time.perf_counter() - start)
+        entry = CompiledEntry(grammar_id, compiled, tokenizer, out.warnings, out.duration_seconds,
+                              compiled.memory_size_bytes,
+                              json_schema=spec.text if spec.kind is Kind.JSON_SCHEMA else None)
+        self.cache.put(entry)
+        self.metrics.cache_bytes.set(self.cache.bytes)
+        return entry
+
+    async def _compile_on_workers(self, tokenizer: RegisteredTokenizer, spec: GrammarSpec, grammar_id: str,
+                                  timeout: float):
+        """The pool's compile, retried on a fresh worker when one dies under it, within one deadline."""
+        deadline = time.monotonic() + timeout
+        remaining = timeout  # the first attempt gets (and its error names) the whole deadline
+        while True:
+            if remaining <= 0:
+                raise CompileTimeoutError(
+                    f"{spec.kind.value} compilation exceeded its {timeout:g} s deadline (compile workers "
+                    "died under it); retry later")
+            try:
+                out = await self.pool.compile(tokenizer.fingerprint, tokenizer.info_json, spec, remaining)
+            except WorkerCrashedError as e:  # the worker process's failure; maybe the spec's doing
+                if not e.during_compile:
+                    # Died loading a tokenizer: nothing to hold against the spec.
+                    remaining = deadline - time.monotonic()
+                    continue
+                crashes = self._crashes.pop(grammar_id, 0) + 1
+                self._crashes[grammar_id] = crashes
+                while len(self._crashes) > CRASH_MEMORY:
+                    self._crashes.popitem(last=False)
+                log.warning("compile worker died compiling grammar %s (%d of %d allowed): %s",
+                            grammar_id, crashes, CRASH_LIMIT, e)
+                if crashes >= CRASH_LIMIT:
+                    raise GrammarCrashError(
+                        f"{spec.kind.value}: compiling this constraint crashed the grammar compiler "
+                        f"{crashes} times; it is refused (a compiler bug or a constraint too large for the "
+                        "worker's memory): simplify the constraint") from None
+                remaining = deadline - time.monotonic()
+                continue
+            self._crashes.pop(grammar_id, None)
+            return out
+
+    def _local_compiler(self, tokenizer: RegisteredTokenizer):
+        compiler = self._local_compilers.get(tokenizer.fingerprint)
+        if compiler is None:
+            compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1, cache_enabled=False)
+            self._local_compilers[tokenizer.fingerprint] = compiler
+        return compiler
+
+    def lookup(self, grammar_id: str) -> CompiledEntry:
+        """The compiled grammar for a session open; NOT_FOUND if not compiled here."""
+        entry = self.cache.get(grammar_id)
+        if not isinstance(entry, CompiledEntry):
+            raise NotFoundError(
+                f"grammar {grammar_id} is not compiled on this replica (or was evicted); call Compile and reopen"
+            )
+        return entry
+
+
+def _reason(e: StructdError) -> str:
+    return "too_large" if isinstance(e, LimitExceededError) else "invalid"

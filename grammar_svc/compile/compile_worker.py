@@ -1,0 +1,186 @@
+"""The compile worker process: compiles one spec at a time with xgrammar.
+
+It runs in its own process so that a compile that outlives its deadline can
+be killed outright (xgrammar cannot be interrupted from Python). It returns
+the compiled grammar serialized, plus every warning: xgrammar's own, which it
+prints on stderr, captured here, and the schema scanner's.
+
+Messages on the pipe (parent -> worker):
+  ("tokenizer", fingerprint, info_json)
+  ("compile", fingerprint, GrammarSpec, ship_above_seconds)
+Replies (worker -> parent):
+  ("ok", serialized_json or None, warnings, duration_seconds, memory_bytes)
+      serialized_json is None when the compile took at most ship_above_seconds:
+      the parent recompiles in-process rather than pay for serialization
+  ("invalid", message)      the spec is malformed or unsatisfiable
+  ("error", message)        anything else (a bug or an xgrammar crash)
+
+The same module is also the workers' zygote (`--zygote FD`): a process that
+has imported xgrammar once and forks a ready worker per request, in
+milliseconds instead of the ~2 s (far more on a loaded machine) that a fresh
+interpreter needs to import xgrammar and torch. On its SOCK_SEQPACKET socket
+the server sends b"fork" with one end of a new socketpair (SCM_RIGHTS); the
+zygote answers the child's pid as ASCII with a pidfd for it, or b"error:..."
+without one. The pidfd lets the server watch and kill a process that is not
+its child, with no risk of hitting a reused pid. The zygote ignores SIGCHLD,
+so the kernel reaps the workers it forked.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+import time
+
+from shared.xgrammar_messages import clean_message
+
+
+class _StderrCapture:
+    """Redirects fd 2 (where xgrammar's C++ logging writes) into a temp file."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+
+    def __enter__(self):
+        self._file.seek(0)
+        self._file.truncate()
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        os.dup2(self._saved, 2)
+
+    def lines(self) -> list[str]:
+        self._file.seek(0)
+        return self._file.read().decode("utf-8", "replace").splitlines()
+
+
+def _warnings_from(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        if "Warning:" in line:
+            msg = line.split("Warning:", 1)[1].strip()
+            if msg and msg not in out:
+                out.append(msg)
+    return out
+
+
+def serve(conn) -> None:
+    import xgrammar as xgr
+
+    from grammar_svc.schema import schema_warnings
+    from grammar_svc.compile.spec import Kind, compile_spec
+
+    compilers: dict[str, object] = {}
+    capture = _StderrCapture()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "tokenizer":
+            _, fp, info_json = msg
+            info = xgr.TokenizerInfo.deserialize_json(info_json)
+            # One thread per worker: parallelism comes from the worker count,
+            # and a killed worker then stops exactly one core's worth of work.
+            compilers[fp] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            conn.send(("ok",))
+            continue
+        _, fp, spec, ship_above_seconds = msg
+        try:
+            start = time.perf_counter()
+            with capture:
+                compiled = compile_spec(compilers[fp], spec)
+            duration = time.perf_counter() - start
+            warnings = _warnings_from(capture.lines())
+            if spec.kind is Kind.JSON_SCHEMA:
+                warnings += schema_warnings.scan(json.loads(spec.text))
+            # A fast compile is cheaper to redo in the server than to serialize.
+            serialized = compiled.serialize_json() if duration > ship_above_seconds else None
+            conn.send(("ok", serialized, warnings, duration, compiled.memory_size_bytes))
+        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
+            conn.send(("invalid", clean_message(str(e))))
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def zygote(sock) -> None:
+    """Forks a worker per b"fork" request (see the module docstring) until the server hangs up."""
+    import signal
+    import socket
+    from multiprocessing.connection import Connection
+
+    # Everything a worker needs, imported once here and shared copy-on-write by every fork.
+    import xgrammar  # noqa: F401
+    from grammar_svc.schema import schema_warnings
+    from grammar_svc import spec  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    sock.send(b"ready")
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
+        except (EOFError, OSError):  # the server's end closed: it is gone, and so are we
+            return
+        if not msg:
+            return
+        if msg != b"fork" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.send(b"error:bad request")
+            continue
+        (fd,) = fds
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                sock.close()
+                conn = Connection(fd)
+                conn.send(("ready",))
+                serve(conn)
+            except BaseException:  # noqa: BLE001 - the forked worker's own end; never fall back into the zygote loop
+                status = 1
+            finally:
+                os._exit(status)
+        os.close(fd)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:  # the kernel's answer: no pidfds here (old kernel, seccomp), or the child is gone
+            if e.errno != errno.ESRCH:
+                os.kill(pid, signal.SIGKILL)  # a worker the server cannot watch must not live on
+            sock.send(f"error:pidfd_open: {e}".encode())
+            continue
+        socket.send_fds(sock, [str(pid).encode()], [pidfd])
+        os.close(pidfd)
+
+
+def main() -> None:
+    """Entry point: `python -m grammar_svc.compile.compile_worker FD` (FD: one end of a socketpair),
+    or `python -m grammar_svc.compile.compile_worker --zygote FD` (FD: a SOCK_SEQPACKET socket)."""
+    import sys
+    from multiprocessing.connection import Connection
+
+    if sys.argv[1] == "--zygote":
+        import socket
+
+        try:
+            zygote(socket.socket(fileno=int(sys.argv[2])))
+        except KeyboardInterrupt:
+            pass
+        return
+    conn = Connection(int(sys.argv[1]))
+    import xgrammar  # noqa: F401 - loaded before "ready" so the first compile is not slowed by imports
+
+    conn.send(("ready",))
+    try:
+        serve(conn)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""structd's JSON-Schema grammar: the one path from a schema to the grammar the service compiles.
+
+xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
+
+1. the schema is normalised first (grammar_svc/schema/schema_normalise.py), so that
+   keywords xgrammar drops beside `anyOf`/`oneOf`/`allOf` (a root's `type`,
+   an object's `properties`) still constrain the document;
+2. bounded strings become JSON strings (grammar_svc/schema/json_strings.py): no raw
+   control characters, escape sequences counted as one character;
+3. `pattern` and `format` strings xgrammar prints as plain EBNF are written as
+   JSON strings too (grammar_svc/schema/regex_strings.py: `"`, `\\` and control
+   characters escaped);
+4. in compact style, values the schema leaves untyped (json_object,
+   lenient extras, `{"type": "array"}`) are compact too: xgrammar 0.2.8
+   hard-codes ", " between their items whatever the separators;
+5. bounded strings are put in tail form (grammar_svc/schema/bounded_strings.py), the
+   same language with masks that are cached lookups; bounds past 128 in a
+   blocked form, and one-class bounded `pattern`s as bounded strings
+   (grammar_svc/schema/bounded_patterns.py).
+
+`GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
+grammar id never refers to a grammar an older path compiled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
+from grammar_svc.schema.json_strings import fix_string_characters
+from grammar_svc.schema.regex_strings import escape_regex_strings
+from grammar_svc.schema.schema_normalise import normalise_schema
+
+# Bump whenever this path can compile a schema to a different grammar.
+GRAMMAR_REVISION = "json-grammar-6"
+
+
+def normalised_schema_text(schema_text: str) -> str:
+    """The schema xgrammar is given: normalised where that makes its grammar right, else as it was."""
+    schema = json.loads(schema_text)
+    normalised = normalise_schema(schema)
+    return schema_text if normalised == schema else json.dumps(normalised, ensure_ascii=False)
+
+
+def json_schema_ebnf(schema_text: str, json_options, *, xgrammar_only: bool = False) -> str:
+    """The EBNF for a schema with the service's options, before the tail-form rewrite.
+
+    With xgrammar_only, xgrammar's own EBNF for the schema as given (what xgrammar alone compiles).
+    """
+    import xgrammar as xgr
+
+    if xgrammar_only:
+        return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
+    ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text), **json_options.xgrammar_kwargs()))
+    ebnf = escape_regex_strings(fix_string_characters(ebnf)[0])[0]
+    # (spec.Whitespace is a str enum; spec.py imports this module, so its name is compared.)
+    return _compact_free_values(ebnf) if json_options.whitespace == "compact" else ebnf
+
+
+# xgrammar's rules for the items of an untyped array / object, with the ", " it hard-codes.
+_FREE_ITEM_RULES = ('basic_array_items ::= ((", " basic_any))',
+                    'basic_object_properties ::= ((", " basic_string ":" basic_any))')
+
+
+def _compact_free_values(ebnf: str) -> str:
+    for rule in _FREE_ITEM_RULES:
+        ebnf = ebnf.replace(rule, rule.replace('", "', '","'))
+    return ebnf
+
+
+def compile_json_schema(compiler, schema_text: str, json_options, *, rewrite: bool = True):
+    """A JSON Schema compiled the service's way (bounded strings in tail form unless rewrite=False)."""
+    ebnf = json_schema_ebnf(schema_text, json_options)
+    if rewrite:
+        ebnf = rewrite_bounded_strings(ebnf)[0]
+    return compiler.compile_grammar(ebnf)

@@ -1,0 +1,147 @@
+"""Chat messages and the chat template that turns a conversation into the model's prompt text.
+
+The template is the model's own (its tokenizer's `chat_template`) unless the
+server is given one (`--chat-template FILE`). Rendering goes through
+transformers' `apply_chat_template`, whose Jinja environment is sandboxed:
+a template cannot reach the server's objects, and message text is data,
+never evaluated as template code. Tools and past tool calls are handed to
+the template in the OpenAI function format, which templates expect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference_svc.api.tool_calls import ParsedToolCall, ToolSpec
+from shared.errors import InvalidRequestError
+
+ROLES = ("system", "user", "assistant", "tool")
+NO_TEMPLATE = ("this model has no chat template; send prompt or prompt_token_ids, or start the server with "
+               "--chat-template FILE")
+
+
+class ChatTemplateError(ValueError):
+    """A --chat-template file that cannot be used (the server's configuration, not a request)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of ROLES
+    content: str = ""
+    name: str = ""
+    tool_call_id: str = ""  # role "tool": the call it answers
+    tool_calls: tuple[ParsedToolCall, ...] = ()  # role "assistant": the calls it made
+    reasoning_content: str = ""  # role "assistant": its thinking
+
+    def as_template_dict(self) -> dict:
+        """The message as chat templates read it (OpenAI's shape; unset fields left out)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments_json}}
+                                 for c in self.tool_calls]
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def tool_as_template_dict(tool: ToolSpec) -> dict:
+    """A tool in the OpenAI function format."""
+    parameters = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function",
+            "function": {"name": tool.name, "description": tool.description, "parameters": parameters}}
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, or the server's override of it."""
+
+    def __init__(self, tokenizer, source: str | dict | None, origin: str):
+        self._tokenizer = tokenizer
+        self._source = source  # template text, or transformers' dict of named templates
+        self.origin = origin  # where the template came from, for logs: a path or "the tokenizer"
+
+    @staticmethod
+    def load(tokenizer, override_path: str | Path | None = None) -> ChatTemplate:
+        """The override file's template when given (checked for syntax here), else the tokenizer's own."""
+        if override_path is None:
+            return ChatTemplate(tokenizer, getattr(tokenizer, "chat_template", None), "the tokenizer")
+        path = Path(override_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:  # the operator's file
+            raise ChatTemplateError(f"--chat-template {path}: cannot read it: {e}") from None
+        if not text.strip():
+            raise ChatTemplateError(f"--chat-template {path}: the file is empty")
+        template = ChatTemplate(tokenizer, text, str(path))
+        template._check_syntax()
+        return template
+
+    @property
+    def available(self) -> bool:
+        return bool(self._source)
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
+               reasoning: bool | None = None) -> str:
+        """The prompt text for `messages`, ending with the generation prompt (the assistant's turn).
+
+        `reasoning` (when not None) reaches the template as both `thinking`
+        and `enable_thinking`, the names templates read.
+        """
+        if not self.available:
+            raise InvalidRequestError(NO_TEMPLATE)
+        if not messages:
+            raise InvalidRequestError("messages is empty: give at least one message")
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise InvalidRequestError(f"messages[{i}]: unknown role {m.role!r} (use one of {', '.join(ROLES)})")
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls, not {m.role}")
+        kwargs = {} if reasoning is None else {"thinking": reasoning, "enable_thinking": reasoning}
+        return self._apply([m.as_template_dict() for m in messages],
+                           [tool_as_template_dict(t) for t in tools] or None, kwargs)
+
+    def _template_text(self, with_tools: bool) -> str:
+        source = self._source
+        if isinstance(source, dict):
+            # Named templates (transformers' convention): "tool_use" serves requests with tools when there is one.
+            name = "tool_use" if with_tools and "tool_use" in source else "default"
+            if name not in source:
+                raise InvalidRequestError(f"this model's chat templates ({', '.join(sorted(source))}) include no "
+                                          "default one; start the server with --chat-template FILE")
+            return source[name]
+        return source
+
+    def _apply(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        import jinja2
+
+        try:
+            return self._render(messages, tools, kwargs)
+        except jinja2.TemplateError as e:  # the template refused this conversation (raise_exception) or failed on it
+            raise InvalidRequestError(f"the chat template cannot render these messages: {e.message or e}") from None
+        except (TypeError, ValueError, LookupError) as e:  # the template's code failed on this conversation's data
+            raise InvalidRequestError(
+                f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        return self._tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self._template_text(tools is not None), tokenize=False,
+            add_generation_prompt=True, **kwargs)
+
+    def _check_syntax(self) -> None:
+        """Renders a one-message conversation: a template that does not parse fails the server's start."""
+        import jinja2
+
+        try:
+            self._render([{"role": "user", "content": "hello"}], None, {})
+        except jinja2.TemplateSyntaxError as e:  # the operator's template does not parse
+            raise ChatTemplateError(f"--chat-template {self.origin}: line {e.lineno}: {e.message}") from None
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError):
+            # The template's own rule for this sample conversation (it may want a system message, say), not a
+            # broken template: the requests it refuses get its message.
+            pass

@@ -1,0 +1,200 @@
+"""inference.v1.InferenceService: protobuf <-> engine translation only."""
+
+from __future__ import annotations
+
+from inference_svc.api.chat import ChatMessage
+from inference_svc.config import EngineConfig
+from inference_svc.api.frontend import ClientRequest, Frontend, ServingInfo
+from inference_svc.grammar.grammar_link import Constraint, JsonOptions
+from inference_svc.engine.request import FinishReason, Output
+from inference_svc.engine.sampling import SamplingOptions
+from inference_svc.grammar.schema_check import CheckResult, SchemaWarning
+from inference_svc.api.tool_calls import ParsedToolCall, ToolChoice, ToolSpec
+from shared import errors
+from shared.gen.inference.v1 import inference_service_pb2 as pb
+from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from shared.status import abort
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
+}
+_WHITESPACE = {
+    pb.JSON_WHITESPACE_UNSPECIFIED: "compact",
+    pb.JSON_WHITESPACE_COMPACT: "compact",
+    pb.JSON_WHITESPACE_FLEXIBLE: "flexible",
+    pb.JSON_WHITESPACE_INDENTED: "indented",
+}
+_TOOL_CHOICE = {
+    pb.TOOL_CHOICE_MODE_UNSPECIFIED: "auto",
+    pb.TOOL_CHOICE_MODE_AUTO: "auto",
+    pb.TOOL_CHOICE_MODE_REQUIRED: "required",
+    pb.TOOL_CHOICE_MODE_NONE: "none",
+    pb.TOOL_CHOICE_MODE_NAMED: "named",
+}
+_JSON_KINDS = ("json_schema", "json_object")
+_SCHEMA_CHECK = {
+    CheckResult.VALID: pb.SCHEMA_CHECK_VALID,
+    CheckResult.INVALID: pb.SCHEMA_CHECK_INVALID,
+    CheckResult.UNCHECKED: pb.SCHEMA_CHECK_UNCHECKED,
+}
+
+
+def constraint(c: pb.Constraint) -> Constraint | None:
+    """The engine's constraint for a client's (None: unconstrained)."""
+    kind = c.WhichOneof("kind")
+    if c.HasField("json_options") and kind not in _JSON_KINDS:
+        raise errors.InvalidRequestError(
+            f"constraint.json_options apply to json_schema and json_object only, not to {kind or 'no constraint'}")
+    if c.strict_schema and kind != "json_schema":
+        raise errors.InvalidRequestError(
+            f"constraint.strict_schema applies to json_schema only, not to {kind or 'no constraint'}")
+    if kind is None:
+        return None
+    if kind in ("json_schema", "regex", "ebnf", "structural_tag") and not getattr(c, kind).strip():
+        raise errors.InvalidRequestError(f"constraint.{kind} is empty")
+    if kind == "choice":
+        if not c.choice.choices:
+            raise errors.InvalidRequestError("constraint.choice needs at least one choice")
+        return Constraint("choice", choices=tuple(c.choice.choices))
+    options = json_options(c.json_options)
+    if kind == "json_object":
+        # json_object=false asks for nothing.
+        return Constraint("json_object", json_options=options) if c.json_object else None
+    if kind == "json_schema":
+        return Constraint(kind, c.json_schema, json_options=options, strict_schema=c.strict_schema)
+    return Constraint(kind, getattr(c, kind))
+
+
+def json_options(o: pb.JsonOptions) -> JsonOptions:
+    if o.whitespace not in _WHITESPACE:
+        raise errors.InvalidRequestError(f"constraint.json_options.whitespace: unknown value {o.whitespace}")
+    for name in ("max_whitespace_count", "indent"):
+        if getattr(o, name) < 0:
+            raise errors.InvalidRequestError(f"constraint.json_options.{name} must be >= 0 (0 = default)")
+    return JsonOptions(whitespace=_WHITESPACE[o.whitespace], max_whitespace_count=o.max_whitespace_count,
+                       indent=o.indent, lenient=o.lenient, any_key_order=o.any_key_order)
+
+
+def tool_call(c: pb.ToolCall) -> ParsedToolCall:
+    return ParsedToolCall(id=c.id, name=c.name, arguments_json=c.arguments_json)
+
+
+def chat_message(m: pb.ChatMessage) -> ChatMessage:
+    return ChatMessage(role=m.role, content=m.content, name=m.name, tool_call_id=m.tool_call_id,
+                       tool_calls=tuple(tool_call(c) for c in m.tool_calls), reasoning_content=m.reasoning_content)
+
+
+def tool(t: pb.Tool) -> ToolSpec:
+    return ToolSpec.from_json(t.name, t.description, t.parameters_json_schema)
+
+
+def tool_choice(request: pb.GenerateRequest) -> ToolChoice | None:
+    if not request.HasField("tool_choice"):
+        return None
+    c = request.tool_choice
+    if c.mode not in _TOOL_CHOICE:
+        raise errors.InvalidRequestError(f"tool_choice.mode: unknown value {c.mode}")
+    mode = _TOOL_CHOICE[c.mode]
+    if mode != "named" and c.name:
+        raise errors.InvalidRequestError(f"tool_choice.name is for TOOL_CHOICE_MODE_NAMED, not {mode}")
+    return ToolChoice(mode, c.name)
+
+
+def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_len: int) -> ClientRequest:
+    if request.tools and request.constraint.strict_schema:
+        raise errors.InvalidRequestError(
+            "constraint.strict_schema cannot be combined with tools: the constraint then becomes part of the "
+            "tool-call grammar, which is not checked keyword by keyword")
+    return ClientRequest(
+        options=sampling_options(request.sampling, config, max_model_len),
+        constraint=constraint(request.constraint),
+        jump_forward=not request.constraint.disable_jump_forward,
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        messages=tuple(chat_message(m) for m in request.messages),
+        tools=tuple(tool(t) for t in request.tools),
+        tool_choice=tool_choice(request),
+        reasoning=request.reasoning if request.HasField("reasoning") else None,
+        max_thinking_tokens=request.max_thinking_tokens,
+    )
+
+
+def sampling_options(s: pb.SamplingParams, config: EngineConfig, max_model_len: int) -> SamplingOptions:
+    return SamplingOptions.validated(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+        default_max_tokens=config.default_max_tokens, max_max_tokens=max_model_len,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs, min_tokens=s.min_tokens,
+        repetition_penalty=s.repetition_penalty)
+
+
+def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.GenerateResponse:
+    """`warnings`: the compile warnings, for the request's first response."""
+    resp = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, reasoning_text=out.reasoning_text)
+    resp.warnings.extend(pb.SchemaWarning(keyword=w.keyword, json_pointer=w.json_pointer, message=w.message)
+                         for w in warnings)
+    for c in out.tool_calls:
+        resp.tool_calls.add(id=c.id, name=c.name, arguments_json=c.arguments_json)
+    if out.logprobs:
+        resp.logprobs.extend(
+            pb.TokenLogprob(token_id=lp.token_id, token_bytes=lp.token_bytes, logprob=lp.logprob, forced=lp.forced,
+                            top_logprobs=[pb.TopLogprob(token_id=t.token_id, token_bytes=t.token_bytes,
+                                                        logprob=t.logprob) for t in lp.top])
+            for lp in out.logprobs)
+    if out.finish_reason is not None:
+        resp.finish_reason = _FINISH[out.finish_reason]
+        u = out.usage
+        resp.usage.prompt_tokens = u.prompt_tokens
+        resp.usage.completion_tokens = u.completion_tokens
+        resp.usage.forced_tokens = u.forced_tokens
+        resp.usage.reasoning_tokens = u.reasoning_tokens
+    if out.schema_check is not None:
+        check = out.schema_check
+        resp.schema_check = _SCHEMA_CHECK[check.result]
+        resp.schema_check_detail = check.detail
+        resp.schema_violations.extend(
+            pb.SchemaViolation(keyword=v.keyword, instance_pointer=v.instance_pointer, message=v.message)
+            for v in check.violations)
+    return resp
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(self, frontend: Frontend, info: ServingInfo):
+        self.frontend = frontend
+        self.info = info
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
+        i = self.info
+        return pb.GetModelInfoResponse(model_id=i.model_id, max_model_len=i.max_model_len, vocab_size=i.vocab_size,
+                                       has_chat_template=i.has_chat_template, model_family=i.family,
+                                       loaded_unix_seconds=i.loaded_unix_seconds)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        engine = self.frontend.engine
+        try:
+            req = await self.frontend.submit(client_request(request, engine.config, engine.max_model_len))
+        except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
+            await abort(context, e)
+            return
+        try:
+            first = True
+            while True:
+                out = await req.outputs.get()
+                if out.error is not None:
+                    await abort(context, out.error)
+                    return
+                # The grammar has compiled before the first output, so its warnings are known by now.
+                yield response(out, req.grammar.warnings if first and req.grammar is not None else ())
+                first = False
+                if out.finish_reason is not None:
+                    return
+        finally:
+            # The client cancelled, its deadline passed, or the stream broke: free KV and grammar state.
+            engine.cancel(req)
+

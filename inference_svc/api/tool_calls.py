@@ -1,0 +1,384 @@
+"""Tool calling: the tools a request offers, the grammar its calls are written under, and the parser that reads them.
+
+A request's tools and tool choice become one xgrammar structural tag in the
+model family's tool-call format (model_family.py), with each call's
+arguments under its tool's parameters schema, as compact strict JSON (the
+grammar tier's defaults for json_schema: "," and ":" separators, no free
+whitespace, no properties beyond those listed), sent as the tag's
+`json_schema` parts so that the grammar tier compiles them with structd's
+JSON grammar (grammar_svc/compile/structural_tags.py). The answer text then holds
+the calls as markup; `ToolCallParser` cuts them out of the streamed text and
+returns each one whole, so a client never sees part of the markup.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import secrets
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from inference_svc.grammar.grammar_link import Constraint, JsonOptions
+from inference_svc.api.model_family import ModelFamily, ToolCallFormat
+from shared.errors import InvalidGrammarError, InvalidRequestError
+from shared.xgrammar_messages import clean_message
+
+MODES = ("auto", "required", "none", "named")
+NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")
+# OpenAI's limit; a request-shape bound that keeps the tool grammar and the prompt's tool list sane.
+MAX_TOOLS = 128
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict | None = None  # JSON Schema of the arguments object; None: any object
+
+    @staticmethod
+    def from_json(name: str, description: str, parameters_json: str) -> ToolSpec:
+        """A tool whose parameters schema is JSON text (empty: any object)."""
+        if not parameters_json.strip():
+            return ToolSpec(name, description)
+        try:
+            parameters = json.loads(parameters_json)
+        except json.JSONDecodeError as e:  # the client's schema text
+            raise InvalidRequestError(
+                f"tool {name!r}: parameters is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(
+                f"tool {name!r}: parameters must be a JSON Schema object, got {type(parameters).__name__}")
+        return ToolSpec(name, description, parameters)
+
+    def arguments_schema(self) -> dict:
+        """The schema a call's arguments follow: always one for a JSON object."""
+        if self.parameters is None:
+            return {"type": "object"}
+        if "type" not in self.parameters:
+            return {"type": "object", **self.parameters}
+        return self.parameters
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"  # one of MODES
+    name: str = ""  # mode "named": the tool to call
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    id: str  # "call_" + 24 hex digits
+    name: str
+    arguments_json: str  # the arguments object as compact JSON text
+
+
+def validate_tools(tools: Sequence[ToolSpec], choice: ToolChoice) -> None:
+    """Raises InvalidRequestError for tools or a tool choice that cannot be served."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"{len(tools)} tools given; at most {MAX_TOOLS} are accepted")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if not NAME_PATTERN.fullmatch(tool.name):
+            raise InvalidRequestError(
+                f"tools[{i}]: name {tool.name!r} is not valid: use 1 to 64 letters, digits, '_' or '-'")
+        if tool.name in seen:
+            raise InvalidRequestError(f"tools[{i}]: the name {tool.name!r} is used by more than one tool")
+        seen.add(tool.name)
+        params = tool.parameters
+        if params is not None:
+            if not isinstance(params, dict):
+                raise InvalidRequestError(
+                    f"tool {tool.name!r}: parameters must be a JSON Schema object, got {type(params).__name__}")
+            if params.get("type", "object") != "object":
+                raise InvalidRequestError(
+                    f"tool {tool.name!r}: parameters must describe a JSON object (\"type\": \"object\"), "
+                    f"got \"type\": {json.dumps(params['type'])}")
+    if choice.mode not in MODES:
+        raise InvalidRequestError(f"tool_choice mode {choice.mode!r} is not one of {', '.join(MODES)}")
+    if choice.mode == "named":
+        if not choice.name:
+            raise InvalidRequestError("tool_choice names no tool: give the name of the tool to call")
+        if choice.name not in seen:
+            raise InvalidRequestError(
+                f"tool_choice names {choice.name!r}, which is not among the request's tools"
+                + (f" ({', '.join(sorted(seen))})" if seen else ""))
+    elif choice.name:
+        raise InvalidRequestError(f"tool_choice gives a name ({choice.name!r}) but its mode is {choice.mode}: "
+                                  "a name goes with mode named only")
+    if choice.mode in ("required", "named") and not tools:
+        raise InvalidRequestError(f"tool_choice {choice.mode} needs at least one tool in tools")
+
+
+def tool_call_structural_tag(family: ModelFamily | None, tools: Sequence[ToolSpec], choice: ToolChoice,
+                             answer: Constraint | None = None) -> dict | None:
+    """The xgrammar structural tag (as a dict to json.dumps) for a request's tool calls, or None.
+
+    auto: free text, in which every tool-call block is well formed and each
+    call valid (any number of blocks, each with one or more calls); with an
+    `answer` constraint, either the answer or one tool-call block.
+    required: one block of one or more calls and nothing else. named: one
+    block with exactly one call of that tool. The answer constraint does not
+    apply to either (the model writes no text). None (tool_choice none, or
+    auto without tools): the tools add nothing, and the request's own
+    constraint (if any) applies unchanged.
+    """
+    validate_tools(tools, choice)
+    if choice.mode == "none" or not tools:
+        return None
+    fmt = _tool_format(family)
+    if choice.mode == "named":
+        (tool,) = (t for t in tools if t.name == choice.name)
+        return _structural_tag(_block(fmt, _call_tag(fmt, tool)))
+    calls = _block(fmt, _calls(fmt, tools))
+    if choice.mode == "required":
+        return _structural_tag(calls)
+    if answer is not None:
+        return _structural_tag({"type": "or", "elements": [_answer_format(answer), calls]})
+    excludes = [m for m in (family.think_start, family.think_end) if m]
+    if fmt.block_begin:
+        auto = {"type": "triggered_tags", "triggers": [fmt.block_begin], "tags": [calls], "excludes": excludes}
+    else:
+        auto = {"type": "triggered_tags", "triggers": [fmt.call_prefix],
+                "tags": [_call_tag(fmt, t) for t in tools], "excludes": excludes}
+    return _structural_tag(auto)
+
+
+def _tool_format(family: ModelFamily | None) -> ToolCallFormat:
+    if family is None or family.tool_calls is None:
+        which = "this model's family is unknown" if family is None else f"model family {family.name!r} has none"
+        raise InvalidRequestError(f"tools need a tool-call format, and {which}: send the request without tools, "
+                                  "or start the server with --model-family")
+    return family.tool_calls
+
+
+def _structural_tag(fmt: dict) -> dict:
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> dict:
+    return {"type": "tag", "begin": fmt.begin_for(tool.name),
+            "content": _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters"), "end": fmt.call_end}
+
+
+def _calls(fmt: ToolCallFormat, tools: Sequence[ToolSpec]) -> dict:
+    """One or more calls of any of `tools`, joined by the family's separator."""
+    return {"type": "tags_with_separator", "tags": [_call_tag(fmt, t) for t in tools], "separator": fmt.separator,
+            "at_least_one": True}
+
+
+def _block(fmt: ToolCallFormat, calls: dict) -> dict:
+    if not fmt.block_begin:
+        return calls
+    return {"type": "tag", "begin": fmt.block_begin, "content": calls, "end": fmt.block_end}
+
+
+def _json_format(schema: object, what: str, options: JsonOptions = JsonOptions()) -> dict:
+    if options.whitespace != "compact":
+        raise InvalidRequestError(
+            f"{what} with {options.whitespace} whitespace cannot be combined with tools: with tools, JSON is "
+            "compact (leave json_options.whitespace unset)")
+    text = json.dumps(schema, sort_keys=False)
+    ebnf = _compact_json_ebnf(text, what, options.lenient, options.any_key_order)  # refuses a bad schema here
+    if options == JsonOptions() and isinstance(schema, dict):
+        # The grammar tier compiles a structural tag's json_schema parts with structd's JSON grammar,
+        # compact and strict: the schema's fixes (JSON strings, kept types) hold inside tool calls too.
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": "grammar", "grammar": ebnf}
+
+
+@functools.lru_cache(maxsize=256)
+def _compact_json_ebnf(schema_text: str, what: str, lenient: bool = False, any_order: bool = False) -> str:
+    """The schema as EBNF, as the grammar tier compiles json_schema by default (compact, strict).
+
+    The structural tag's own json_schema format allows free whitespace
+    between tokens; its grammar format takes this EBNF instead.
+    """
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, separators=(",", ":"),
+                                               strict_mode=not lenient, any_order=any_order)
+    except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:  # the client's schema, refused
+        raise InvalidGrammarError(f"{what} cannot be used as a JSON Schema: {clean_message(str(e))}") from None
+    return str(grammar)
+
+
+def _answer_format(answer: Constraint) -> dict:
+    """The request's own constraint as a structural-tag format, for `or` with the tool calls."""
+    if answer.kind == "json_schema":
+        try:
+            schema = json.loads(answer.text)
+        except json.JSONDecodeError as e:  # the client's schema text
+            raise InvalidGrammarError(f"json_schema is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+                                      ) from None
+        return _json_format(schema, "json_schema", answer.json_options)
+    if answer.kind == "json_object":
+        return _json_format({"type": "object"}, "json_object", answer.json_options)
+    if answer.kind == "regex":
+        return {"type": "regex", "pattern": answer.text}
+    if answer.kind == "ebnf":
+        return {"type": "grammar", "grammar": answer.text}
+    if answer.kind == "choice":
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in answer.choices]}
+    try:
+        tag = json.loads(answer.text)
+    except json.JSONDecodeError as e:  # the client's structural tag text
+        raise InvalidGrammarError(f"structural_tag is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+                                  ) from None
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise InvalidRequestError(
+            'with tools, a structural_tag constraint must be in xgrammar\'s format form ({"type": '
+            '"structural_tag", "format": {...}}); the legacy form (structures and triggers) cannot be combined '
+            "with tool calls")
+    return tag["format"]
+
+
+class ToolCallParser:
+    """Splits one response's answer text into content and tool calls, as it streams.
+
+    `push` each text delta and send what it returns; `finish` at the end.
+    A tail that could be the start of markup is held back until it is known,
+    and each call is returned once its end marker has arrived. Markup that
+    does not parse (a model writing it without the grammar: tool_choice
+    none, or no tools) is returned as content, never raised. Whitespace
+    between calls and after the last one is layout, not content. With
+    `tool_names`, a call of any other name is not a call.
+    """
+
+    def __init__(self, family: ModelFamily | None, tool_names: Collection[str] | None = None):
+        self._fmt = _tool_format(family)
+        self._names = None if tool_names is None else frozenset(tool_names)
+        self._buf = ""  # text received and not yet returned
+        self._in_block = False  # between calls of a block: a separator and a call, or the block's end, is next
+        self._after_call = False  # whitespace here is layout until other text shows it is content
+
+    def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """The rest: held text that never became a call is content."""
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, list[ParsedToolCall]]:
+        content: list[str] = []
+        calls: list[ParsedToolCall] = []
+        fmt = self._fmt
+        while self._buf:
+            if self._in_block:
+                status, call, end = self._next_in_block(final)
+                if status == "more":
+                    break
+                if status == "call":
+                    calls.append(call)
+                elif status == "end":
+                    self._in_block, self._after_call = False, True
+                else:  # not the block's continuation: what follows is text
+                    self._in_block = False
+                    continue
+                self._buf = self._buf[end:]
+                continue
+            if self._after_call:
+                rest = self._buf.lstrip()
+                if not rest or (_could_start(rest, fmt.trigger) and not final):
+                    if final:
+                        self._buf = ""
+                    break
+                self._after_call = False
+                if rest.startswith(fmt.trigger):
+                    self._buf = rest
+            start = self._buf.find(fmt.trigger)
+            if start < 0:
+                keep = 0 if final else _held_tail(self._buf, fmt.trigger)
+                content.append(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+            content.append(self._buf[:start])
+            self._buf = self._buf[start:]
+            status, call, end = self._call_at(len(fmt.block_begin), final)
+            if status == "more":
+                break
+            if status == "bad":  # not markup after all: its trigger is text, and the search goes on after it
+                content.append(fmt.trigger)
+                self._buf = self._buf[len(fmt.trigger):]
+                continue
+            calls.append(call)
+            self._buf = self._buf[end:]
+            if fmt.block_begin:
+                self._in_block = True
+            else:
+                self._after_call = True
+        if final:
+            content.append(self._buf)
+            self._buf, self._in_block, self._after_call = "", False, False
+        return "".join(content), calls
+
+    def _next_in_block(self, final: bool) -> tuple[str, ParsedToolCall | None, int]:
+        fmt = self._fmt
+        if self._buf.startswith(fmt.block_end):
+            return "end", None, len(fmt.block_end)
+        if self._buf.startswith(fmt.separator + fmt.call_prefix):
+            return self._call_at(len(fmt.separator), final)
+        if not final and (_could_start(self._buf, fmt.block_end) or
+                          _could_start(self._buf, fmt.separator + fmt.call_prefix)):
+            return "more", None, 0
+        return "bad", None, 0
+
+    def _call_at(self, pos: int, final: bool) -> tuple[str, ParsedToolCall | None, int]:
+        """Parses one call starting at self._buf[pos]: ("call", call, end), "more" (text may still come) or "bad"."""
+        fmt, buf = self._fmt, self._buf
+        more = "bad" if final else "more"
+        if not buf.startswith(fmt.call_prefix, pos):
+            return (more if _could_start(buf[pos:], fmt.call_prefix) else "bad"), None, 0
+        name_at = pos + len(fmt.call_prefix)
+        name_end = _NAME_CHARS.match(buf, name_at).end()
+        name = buf[name_at:name_end]
+        if name_end == len(buf):
+            return (more if len(name) <= 64 else "bad"), None, 0
+        if not NAME_PATTERN.fullmatch(name) or (self._names is not None and name not in self._names):
+            return "bad", None, 0
+        if not buf.startswith(fmt.name_suffix, name_end):
+            return (more if _could_start(buf[name_end:], fmt.name_suffix) else "bad"), None, 0
+        args_at = name_end + len(fmt.name_suffix)
+        head = buf[args_at:].lstrip()
+        if head and not head.startswith("{"):
+            return "bad", None, 0
+        end = buf.find(fmt.call_end, args_at)
+        while end >= 0:
+            arguments = _json_object(buf[args_at:end])
+            if arguments is not None:
+                call = ParsedToolCall("call_" + secrets.token_hex(12), name, arguments)
+                return "call", call, end + len(fmt.call_end)
+            end = buf.find(fmt.call_end, end + 1)  # the marker was inside the arguments (a string): look further
+        return more, None, 0
+
+
+def _could_start(text: str, marker: str) -> bool:
+    """`text` is a proper prefix of `marker`: more text may complete it."""
+    return len(text) < len(marker) and marker.startswith(text)
+
+
+def _held_tail(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_object(text: str) -> str | None:
+    """`text` as compact JSON when it is one JSON object, else None."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except ValueError:  # the model's text: not a JSON object (JSONDecodeError is a ValueError)
+        return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

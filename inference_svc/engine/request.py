@@ -1,0 +1,161 @@
+"""One generation request's state as the engine sees it, and what it streams back.
+
+The token bookkeeping is one list and two counters, so that decodes, chunked
+prefill, jump-forward runs and preemption by recompute are the same thing:
+`all_ids` is prompt + output; the KV cache holds the first `num_computed` of
+them; the next forward feeds the rest (or a chunk of it). What the grammar
+has not been told yet is `grammar.pending_accept`.
+
+Everything that tracks a request inside the engine (KV blocks, scheduler
+entries, grammar sessions) is keyed by `seq_id`, an id the engine assigns; the
+client's `request_id` is only for logs, so two requests that carry the same
+one (a client retrying with its own id) never share state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from inference_svc.grammar.grammar_link import GrammarSession
+from inference_svc.engine.response_text import ResponseText
+from inference_svc.grammar.schema_check import SchemaCheck
+from inference_svc.engine.sampling import RowSampler, SamplingOptions, TokenLogprob
+
+if TYPE_CHECKING:
+    from inference_svc.api.tool_calls import ParsedToolCall
+
+# Process-wide, so ids never repeat across engines in one process (tests run several).
+_seq_ids = itertools.count(1)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    TOOL_CALLS = "tool_calls"
+
+
+class Phase(enum.Enum):
+    COMPILING = "compiling"  # waiting for its grammar; never in a batch
+    WAITING = "waiting"  # ready, not admitted (new or preempted)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    forced_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass
+class Output:
+    """One streamed piece: the tokens of a step and their text delta; the last one has finish_reason."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: BaseException | None = None  # set instead of finish_reason when the request failed
+    reasoning_text: str = ""
+    tool_calls: tuple[ParsedToolCall, ...] = ()
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
+    # The last output of a json_schema request whose document finished: whether it validates.
+    schema_check: SchemaCheck | None = None
+
+
+@dataclass
+class Thinking:
+    """A request that starts inside a think block: unconstrained until the end-of-thinking token.
+
+    Its grammar session (if any) opens only after that token, and is told only
+    the answer's tokens; `budget` thinking tokens (0: no budget) make the
+    engine append the end token itself.
+    """
+
+    end_id: int
+    budget: int = 0
+    tokens: int = 0  # thinking tokens so far, the end token excluded
+    done: bool = False
+
+    @property
+    def answer_start(self) -> int:
+        """Index of the answer's first token among the output tokens (once done)."""
+        return self.tokens + 1 if self.done else 0
+
+    @property
+    def budget_spent(self) -> bool:
+        return not self.done and 0 < self.budget <= self.tokens
+
+
+# Identity semantics: a request is itself, whatever its fields say (sets, `in`, remove).
+@dataclass(eq=False)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    options: SamplingOptions
+    sampler: RowSampler
+    text: ResponseText
+    grammar: GrammarSession | None = None  # None: unconstrained
+    thinking: Thinking | None = None  # None: the request does not think (or the model cannot)
+    arrival: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+
+    # Engine-owned state.
+    phase: Phase = Phase.COMPILING
+    all_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    forced_tokens: int = 0
+    cancelled: bool = False
+    admitted_at: float | None = None
+    grammar_ready_at: float | None = None
+    first_token_at: float | None = None
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self) -> None:
+        if not self.all_ids:
+            self.all_ids = list(self.prompt_ids)
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+    @property
+    def grammar_active(self) -> bool:
+        """Constrained, and past any thinking: the grammar masks this request's next token."""
+        return self.grammar is not None and (self.thinking is None or self.thinking.done)
+
+    @property
+    def answer_ids(self) -> list[int]:
+        """The output tokens after thinking: what the grammar has seen."""
+        start = self.thinking.answer_start if self.thinking is not None else 0
+        return self.output_ids[start:]
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.all_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.all_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.all_ids[len(self.prompt_ids):]
+
+    def usage(self) -> Usage:
+        reasoning = 0 if self.thinking is None else self.thinking.tokens + int(self.thinking.done)
+        return Usage(self.num_prompt, self.num_output, self.forced_tokens, reasoning)

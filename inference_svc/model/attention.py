@@ -1,0 +1,218 @@
+"""Paged attention registered with transformers' AttentionInterface.
+
+The engine owns the step loop and the KV cache but reuses transformers' model
+code unchanged: the runner sets the model's attention implementation to
+`structd_paged` and passes a `PagedAttentionContext` as a forward kwarg;
+transformers v5 hands model-forward kwargs down to every attention call, and
+this function, called once per layer, writes the step's new keys/values into
+the engine's blocks (`module.layer_idx` picks the layer) and attends per
+sequence over the cache.
+
+transformers builds no attention mask for an implementation registered in
+`AttentionInterface` but not in `AttentionMaskInterface`
+(`masking_utils._preprocess_mask_arguments` exits early with None), so a
+packed step costs no [tokens x tokens] mask; causality and sequence
+boundaries come from the context instead.
+
+The computation is torch SDPA: all single-token decodes of a step in one
+padded call (a key-padding mask hides the padding), every prefill chunk or
+multi-token extend in its own call (causal, offset by what is already
+cached). On a GPU this is the place for a varlen/paged kernel reading the
+same block tables; the context already carries them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inference_svc.model.paged_kv import PagedKVCache
+
+ATTN_IMPLEMENTATION = "structd_paged"
+# Name of the model-forward kwarg that carries the step context to each layer.
+CONTEXT_KWARG = "structd_paged_context"
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """All single-token sequences of a step, attended in one padded SDPA call."""
+
+    token_index: torch.Tensor  # [B] their tokens' indices in the packed row
+    slots: torch.Tensor  # [B, max_len] flat KV slots of each context (padding points at slot 0)
+    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True = attend (hides the padding)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A prefill chunk or multi-token extend, attended on its own."""
+
+    q_start: int
+    q_end: int
+    slots: torch.Tensor | None  # [seq_len] flat slots of the whole context; None: attend to the chunk's own keys
+    mask: torch.Tensor | None  # [query_len, seq_len] bool causal mask offset by context_len; None: plain causal
+
+
+@dataclass(frozen=True)
+class PagedAttentionContext:
+    """Everything the attention layers need for one step, built once and shared by all layers.
+
+    slot_mapping, query_start_loc, seq_lens and block_tables are the standard
+    paged-attention inputs (what a varlen/paged GPU kernel consumes); decodes
+    and chunks are the SDPA plan derived from them.
+    """
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's key/value is written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] context + new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int, padded with -1
+    decodes: DecodeGroup | None
+    chunks: tuple[ChunkPlan, ...]
+
+    positions: torch.Tensor  # [num_tokens] each new token's position in its sequence (the model's position_ids)
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: PagedKVCache,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: torch.Tensor,
+        device: torch.device,
+    ) -> "PagedAttentionContext":
+        """Context for sequences packed in order, sequence i with query_lens[i] new tokens after
+        context_lens[i] cached ones, its blocks in row i of block_tables (int64, padded with -1).
+
+        Per-token indices come from tensor ops over the whole step (a token's sequence by
+        repeat_interleave, its position and slot by gather); Python loops only over the
+        multi-token chunks, which attend one SDPA call each anyway.
+        """
+        bs = kv_cache.spec.block_size
+        num_seqs, max_blocks = block_tables.shape
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        ctx_lens = torch.tensor(context_lens, dtype=torch.long)
+        seq_lens = ctx_lens + q_lens
+        ends = q_lens.cumsum(0)
+        decode_ids = [i for i, n in enumerate(query_lens) if n == 1]
+        if len(decode_ids) == num_seqs:
+            # All decodes (the common step): one token per sequence, at its context length.
+            positions = ctx_lens
+            slot_mapping = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        else:
+            # Per token: its sequence, and its position = context_len + offset within the sequence's chunk.
+            seq_of = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+            positions = torch.arange(seq_of.shape[0]) + (ctx_lens + q_lens - ends)[seq_of]
+            slot_mapping = block_tables[seq_of, positions // bs] * bs + positions % bs
+        query_start_loc = torch.cat((ends.new_zeros(1), ends))
+
+        decodes = None
+        if decode_ids:
+            all_decode = len(decode_ids) == num_seqs
+            ids = torch.tensor(decode_ids)
+            lens = seq_lens if all_decode else seq_lens[ids]
+            max_len = int(lens.max())
+            pos = torch.arange(max_len)
+            valid = pos[None, :] < lens[:, None]
+            block_index = (pos // bs).clamp(max=max_blocks - 1).expand(len(decode_ids), -1)
+            blocks = (block_tables if all_decode else block_tables[ids]).gather(1, block_index)
+            slots = torch.where(valid, blocks * bs + pos % bs, 0)
+            decodes = DecodeGroup(
+                token_index=ids.to(device) if all_decode else (ends[ids] - 1).to(device),
+                slots=slots.to(device),
+                mask=valid[:, None, None, :].to(device),
+            )
+
+        chunks = []
+        q_start = 0
+        for i, (n, cached) in enumerate(zip(query_lens, context_lens)):
+            if n > 1 and cached == 0:
+                chunks.append(ChunkPlan(q_start, q_start + n, None, None))
+            elif n > 1:
+                seq_len = cached + n
+                pos = torch.arange(seq_len)
+                mask = pos[None, :] <= pos[cached:, None]
+                slots = block_tables[i, pos // bs] * bs + pos % bs
+                chunks.append(ChunkPlan(q_start, q_start + n, slots.to(device), mask.to(device)))
+            q_start += n
+
+        return cls(
+            kv_cache=kv_cache,
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=seq_lens.to(device),
+            block_tables=block_tables.to(device),
+            decodes=decodes,
+            chunks=tuple(chunks),
+            positions=positions.to(device),
+        )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim], RoPE applied
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim], RoPE applied
+    value: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    ctx: PagedAttentionContext | None = kwargs.get(CONTEXT_KWARG)
+    if ctx is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} needs a step context: "
+            "call this model through inference_svc.model.model_runner.PagedModelRunner"
+        )
+    if attention_mask is not None:
+        raise ValueError("paged attention takes no attention_mask: sequence boundaries come from the step context")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"paged attention does not support {unsupported} (full causal attention only)")
+
+    num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    num_kv_heads = key.shape[1]
+    groups = num_heads // num_kv_heads
+    q = query[0]  # [H, T, D]
+    k_new = key[0].transpose(0, 1)  # [T, kvH, D]
+    v_new = value[0].transpose(0, 1)
+    cache = ctx.kv_cache
+    cache.write(module.layer_idx, ctx.slot_mapping, k_new, v_new)
+    k_all, v_all = cache.flat(module.layer_idx)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+
+    if ctx.decodes is not None:
+        d = ctx.decodes
+        batch = d.token_index.shape[0]
+        # One query per sequence: fold the query heads of each KV head group
+        # into the query-length axis, so SDPA needs neither repeat_kv nor GQA
+        # support ([B, kvH, groups, D] against [B, kvH, L, D]).
+        qd = q.index_select(1, d.token_index).transpose(0, 1).reshape(batch, num_kv_heads, groups, head_dim)
+        kd = k_all[d.slots].to(q.dtype).permute(0, 2, 1, 3)
+        vd = v_all[d.slots].to(q.dtype).permute(0, 2, 1, 3)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scaling)
+        out[d.token_index] = od.reshape(batch, num_heads, head_dim)
+
+    for c in ctx.chunks:
+        qc = q[None, :, c.q_start : c.q_end]
+        if c.slots is None:
+            kc, vc = key[:, :, c.q_start : c.q_end], value[:, :, c.q_start : c.q_end]
+        else:
+            kc = k_all[c.slots].to(q.dtype).transpose(0, 1)[None]
+            vc = v_all[c.slots].to(q.dtype).transpose(0, 1)[None]
+        oc = F.scaled_dot_product_attention(
+            qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scaling, enable_gqa=groups > 1
+        )
+        out[c.q_start : c.q_end] = oc[0].transpose(0, 1)
+
+    return out[None], None
+
+
+def register() -> str:
+    """Registers the paged attention function (idempotent); returns its implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
