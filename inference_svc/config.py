@@ -87,8 +87,8 @@ class InferenceServiceConfig:
     # the model runs on CUDA, off on the CPU: see engine_in_own_process).
     engine_process: str = "auto"
     # The LM head's kernel (lm_head.py): auto = oneDNN over a reordered copy of the head weight on the CPU in
-    # float32 (1.1-2.5x faster there from 4 rows, 0.78-0.95x at 1-2; one more copy of the head in memory),
-    # F.linear elsewhere; plain: F.linear.
+    # float32 (faster there from a few rows on, a little slower at 1-2: docs/benchmarks.md, "The LM head's
+    # kernel"; one more copy of the head in memory), F.linear elsewhere; plain: F.linear.
     lm_head_kernel: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     # A Jinja chat template file that replaces the model's own (None: the tokenizer's template).
@@ -208,8 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                               "float32), float32, bfloat16 or float16")
     f.add("--num-threads", d.num_threads, "torch CPU threads (0: half the cores)")
     f.add("--compile", d.compile, "torch.compile (inductor) of the model body: auto (default on CUDA, with CUDA "
-                                  "graphs; off on CPU, where it gains ~1 ms per step for minutes of compiling), "
-                                  "off, default or max-autotune; compiled once per bucket at start-up")
+                                  "graphs; off on CPU, where it gains a few percent of a step for minutes of "
+                                  "compiling), off, default or max-autotune; compiled once per bucket at start-up")
     f.add("--compile-buckets", "", "token counts the body is compiled for, comma-separated; a step pads to the "
                                    "next one (default: powers of two up to --max-num-batched-tokens)")
     f.add("--compile-cache-dir", None, "inductor's on-disk cache of compiled kernels, reused across restarts "

@@ -3,8 +3,8 @@
 A greedy row without logprobs needs one thing of its 129k logits: the
 largest (the first, on ties). On the CPU the float32 head is most of a step
 (lm_head.py), while oneDNN computes the same head in bfloat16 (AMX) much
-faster (with the exact columns after it, 1.7-3.7x at 1-64 rows: `structd
-bench lm-head`). The screen computes that approximate head, and a bound on how far it
+faster, the exact columns after it included (docs/benchmarks.md, "The greedy
+head", has the figures). The screen computes that approximate head, and a bound on how far it
 can be from the float32 head's values keeps every id that could be the
 argmax; the float32 head is then computed at those candidate ids only (its
 column form, bitwise its values there), the rest of the row is -inf, and the

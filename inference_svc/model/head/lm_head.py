@@ -2,12 +2,12 @@
 
 The embedded model's head (129,280 x 256, fp32) is most of a CPU step, and how
 the matmul is computed decides its cost. `torch.nn.functional.linear` goes to
-MKL, whose kernels for a few rows are slow here (one thread, Xeon with
-AVX-512: 31.7 ms at 8 rows, 28.0 ms at 32 in `structd bench lm-head`); oneDNN
-over a weight reordered once into its blocked layout (what vLLM's CPU engine
-does, `create_onednn_mm`) takes 12.8 and 20.9 ms, near vLLM's own kernel on
-this machine (docs/benchmarks.md, "The LM head's kernel"). So on the CPU, in fp32, the head
-is `PackedKernel`; elsewhere (CUDA, other dtypes) `PlainKernel`, F.linear.
+MKL, whose kernels for a few rows are slow on the CPUs measured; oneDNN over
+a weight reordered once into its blocked layout (what vLLM's CPU engine does,
+`create_onednn_mm`) is faster from a few rows on and close to vLLM's own
+kernel (docs/benchmarks.md, "The LM head's kernel", has the figures). So on
+the CPU, in fp32, the head is `PackedKernel`; elsewhere (CUDA, other dtypes)
+`PlainKernel`, F.linear.
 
 The sparse head (sparse_head.py) computes the same head at a few columns
 only, and the engine relies on those values being bitwise the full head's

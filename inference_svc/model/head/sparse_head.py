@@ -23,10 +23,9 @@ gets the columns a bfloat16 screen of the head keeps (greedy_head.py) instead
 of every column, whether it is unconstrained or its mask is a disallowed list
 or dense.
 
-Measured (docs/benchmarks.md, one thread, 256 x 129,280 fp32, `structd bench
-lm-head`): the full head takes 10-12 ms at 1 row and 21-34 ms at 32 rows;
-the column form costs in proportion to its columns (at one row 0.24-0.33 ms
-for 1,000, 1.4-1.8 ms for 8,192, 3.4-4.4 ms for 20,000), hence MAX_SPARSE_IDS.
+The column form costs in proportion to its columns, so past some union size
+the full head is cheaper: hence MAX_SPARSE_IDS (docs/benchmarks.md, "The
+column form's cost", has the figures).
 """
 
 from __future__ import annotations
@@ -40,9 +39,10 @@ import torch
 from inference_svc.model.head.lm_head import LmHead
 from shared.codec import SparseMask
 
-# Union of the step's allowed ids above which the full head is computed instead: at 8,192 columns the
-# gather + matmul costs 13-15% of the full head at one row, 7-10% at 32 (docs/benchmarks.md, "The column
-# form's cost"; a quarter in the first, hand-timed measurement).
+# Union of the step's allowed ids above which the full head is computed instead. Set from the first,
+# hand-timed measurement; at this limit the gather + matmul is a small share of the full head, and the limit
+# stays until an end-to-end run shows steps gaining from a wider union (docs/benchmarks.md, "The column
+# form's cost").
 MAX_SPARSE_IDS = 8192
 
 # (row, mask as it came: SparseMask or None when dense) per constrained row, as RowPlan.masked holds them.
@@ -103,8 +103,9 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
             hit = np.zeros(vocab_size, dtype=np.bool_)
         hit[form.ids[form.ids < vocab_size]] = True
     if full and screened:
-        # The float32 head runs for the full rows anyway, and a few more rows cost it little (a full head over
-        # 1 row takes ~10 ms here, over 4 ~11): the screen would only add its own cost.
+        # The float32 head runs for the full rows anyway, and a few more rows cost it little (docs/benchmarks.md,
+        # "The LM head's kernel": the packed head's time barely grows from 1 to 4 rows): the screen would only
+        # add its own cost.
         full += [row for row, _ in screened]
         screened = []
     if full and 2 * len(full) > len(sample):
