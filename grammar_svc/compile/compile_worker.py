@@ -115,8 +115,8 @@ def zygote(sock) -> None:
 
     # Everything a worker needs, imported once here and shared copy-on-write by every fork.
     import xgrammar  # noqa: F401
-    from grammar_svc.schema import schema_warnings
-    from grammar_svc import spec  # noqa: F401
+    from grammar_svc.compile import spec  # noqa: F401
+    from grammar_svc.schema import schema_warnings  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     sock.send(b"ready")
