@@ -76,7 +76,7 @@ def spec_from_proto(spec: pb.GrammarSpec) -> GrammarSpec:
 
 def op_from_proto(s: pb.SessionStep) -> SessionOp:
     # Positional, and `open` read only when present: this runs for every session of every step
-    # (keywords and the extra reads cost ~0.6 µs a session).
+    # (keywords and the extra reads cost measurably more: docs/benchmarks.md, "The grammar replica's step path").
     if s.HasField("open"):
         o = s.open
         return SessionOp(s.session_id, o.grammar_id, o.terminate_without_stop_token, s.rollback_tokens,

@@ -245,7 +245,8 @@ class MaskDecoder:
 
     Holds the client side of the stream mask cache, so use one decoder per
     step stream. Id lists it has decoded recently are not decoded again:
-    decoding is a dozen numpy calls (~25 µs a row), a lookup well under one.
+    decoding is a dozen numpy calls a row, a lookup far less (docs/benchmarks.md,
+    "Host path at simulated steps", item 3).
     The SparseMasks it returns may therefore be shared between rows and
     steps: their ids must not be modified.
     """

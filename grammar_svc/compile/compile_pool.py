@@ -8,9 +8,11 @@ busy or idle. A supervisor task keeps `num_workers` alive, respawning what is
 lost with back-off when spawning fails, and every restart is counted by
 reason.
 
-Workers are forked by a zygote process that has imported xgrammar once (about
-10 ms per worker instead of 2 s, or 5-20 s on a loaded machine), so replacing
-a killed worker or opening a lane costs almost nothing.
+Workers are forked by a zygote process that has imported xgrammar once
+(milliseconds per worker instead of seconds for a fresh interpreter, far more
+on a loaded machine: docs/benchmarks.md, "Hand-timed figures behind code
+choices", "Compile workers"), so replacing a killed worker or opening a lane
+costs almost nothing.
 
 Head-of-line blocking: a job that has held its worker for `lane_after_seconds`
 no longer counts against the pool's capacity. While jobs wait, the pool opens
@@ -163,9 +165,9 @@ ZYGOTE_TIMEOUT_SECONDS = 30.0
 class _Zygote:
     """`python -m grammar_svc.compile.compile_worker --zygote`: forks ready workers in milliseconds.
 
-    A fresh interpreter takes about 2 s of CPU to import xgrammar (and torch,
-    which xgrammar imports), measured at 5 to 20 s on a loaded 2-core machine:
-    far too slow to open a worker lane for compiles that are already waiting,
+    A fresh interpreter takes seconds of CPU to import xgrammar (and torch,
+    which xgrammar imports), far more on a loaded machine (docs/benchmarks.md,
+    "Compile workers"): far too slow to open a worker lane for compiles that are already waiting,
     and a cost paid again for every worker killed at its deadline.
     """
 
@@ -247,7 +249,7 @@ class _Worker:
 
     @classmethod
     def spawn(cls) -> "_Worker":
-        """A plain subprocess worker, ready (blocking: about 2 s on an idle machine)."""
+        """A plain subprocess worker, ready (blocking: a fresh interpreter imports xgrammar first)."""
         parent, child = socket.socketpair()
         proc = subprocess.Popen(_worker_command(str(child.fileno())), pass_fds=(child.fileno(),),
                                 stdin=subprocess.DEVNULL, env=_worker_env())
@@ -386,8 +388,8 @@ class CompilePool:
 
     A worker ships the compiled grammar back only when compiling took longer
     than `ship_above_seconds`: serializing xgrammar's token-mask cache as JSON
-    costs 10-40x the compile itself (68 MB and 5.7 s for a schema compiled in
-    0.11 s), so for fast compiles the caller recompiles in-process instead,
+    costs many times the compile itself (docs/benchmarks.md, "Compile
+    workers"), so for fast compiles the caller recompiles in-process instead,
     which the worker has just shown to finish quickly (`CompileOutput.serialized`
     is None then).
 

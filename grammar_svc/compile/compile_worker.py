@@ -17,8 +17,9 @@ Replies (worker -> parent):
 
 The same module is also the workers' zygote (`--zygote FD`): a process that
 has imported xgrammar once and forks a ready worker per request, in
-milliseconds instead of the ~2 s (far more on a loaded machine) that a fresh
-interpreter needs to import xgrammar and torch. On its SOCK_SEQPACKET socket
+milliseconds instead of the seconds (far more on a loaded machine) that a fresh
+interpreter needs to import xgrammar and torch (docs/benchmarks.md, "Compile
+workers"). On its SOCK_SEQPACKET socket
 the server sends b"fork" with one end of a new socketpair (SCM_RIGHTS); the
 zygote answers the child's pid as ASCII with a pidfd for it, or b"error:..."
 without one. The pidfd lets the server watch and kill a process that is not

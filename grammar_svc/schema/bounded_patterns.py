@@ -4,7 +4,8 @@ xgrammar 0.2.8 compiles a string's `pattern` into a `Regex("...",
 json_string=true)` rule, matched with an automaton whose states carry no
 precomputed token masks worth having for a bounded repetition: inside
 `^[a-z0-9_-]{1,255}$` every mask fill re-checks most of the vocabulary
-(~4 ms a row on the 129k tokenizer). Schema normalisation makes more of them
+(milliseconds a row on the 129k tokenizer: docs/benchmarks.md, "Patterns and
+long bounds"). Schema normalisation makes more of them
 (grammar_svc/schema/schema_normalise.py folds `minLength`/`maxLength` beside a
 one-class pattern into its bound).
 

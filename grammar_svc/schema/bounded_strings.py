@@ -28,15 +28,16 @@ class stays inline, so the masks stay cached lookups.
 
 Longer bounds (more than MAX_EXPANDED optional characters) cannot take one
 tail rule per character: each rule costs the compiler a pass over the
-vocabulary (~17 ms for the JSON character class on the 129k vocabulary), so
-a 1024-character tail compiles in ~18 s. They get a blocked form whose rules
+vocabulary, so a tail's compile grows with the bound, to seconds for a
+1024-character one (docs/benchmarks.md, "Patterns and long bounds", has the
+figures). They get a blocked form whose rules
 do not depend on the bound (see _long_rules): two decompositions of the
 string into 64-character blocks, half a block apart, each ending in a tail of
 64-127 characters. Every position of the string is then at least 32
 characters from the end of a block on one of the two, so a token no longer
 than that is decided by that one's cached mask, and the last characters are
 in tail form. The blocks and tails are shared by every long string of the
-same class, so a schema pays for them once (~2.5 s for the JSON class).
+same class, so a schema pays for them once.
 
 `pattern` strings that are one character class with a `{m,n}` bound are
 first written in the same printed shape as a bounded string
@@ -54,10 +55,11 @@ from grammar_svc.schema.json_strings import CHAR_RULE, string_char_alternatives
 # an optional lookahead after it.
 _BOUNDED_STRING = re.compile(
     r'^(?P<name>[^\s:]+) ::= \(\("\\"" (?P<chars>[^\s{}]+)\{(?P<min>\d+), (?P<max>-?\d+)\} "\\""\)\)(?P<rest>.*)$')
-# Longer bounds are left as they are. xgrammar 0.2.8 expands at most ~128
-# nested rules itself (longer bounds get a windowed repetition instead), so
-# past 128 the tail form compiles slower than the original (measured, 129k
-# vocabulary: n=128 2.7 s vs 3.1 s; n=256 5.4 vs 4.7; n=1024 23 vs 4.8).
+# Longer bounds take the blocked form below. xgrammar 0.2.8 expands at most
+# ~128 nested rules itself (longer bounds get a windowed repetition instead),
+# so past 128 the tail form compiles slower than the original, more so the
+# longer the bound (docs/benchmarks.md, "Hand-timed figures behind code
+# choices", "Bounded strings past 128 characters").
 MAX_EXPANDED = 128
 # The blocked form for longer bounds: block length, and the longest bound it takes (its rules per string grow
 # by one per block: 512 blocks is ~1,000 small rules, which compile in milliseconds).

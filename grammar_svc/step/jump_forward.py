@@ -15,7 +15,8 @@ Rules, so the model never sees a sequence the tokenizer would not produce:
 Those rules make the answer a pure function of (tokenizer, last token, forced
 string), and the same pairs come back all the time (every key and separator
 of a schema, every step of every session on it), so each tokenizer keeps a
-memo of them: tokenizing costs ~25 µs a row, a lookup well under one.
+memo of them: a lookup costs far less than tokenizing (docs/benchmarks.md,
+"Host path at simulated steps", item 4).
 """
 
 from __future__ import annotations

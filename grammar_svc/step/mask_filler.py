@@ -1,12 +1,13 @@
 """Fills and encodes one step's masks.
 
-Measured with the 129k tokenizer on 2 cores: a typical row fills in ~4 µs,
-so handing rows to threads costs more than it saves (xgrammar's own
-BatchGrammarMatcher with 2 threads took 7x longer than a plain loop for 32
-cheap rows; two threads of our own filling fast rows one by one hand the GIL,
-which every fill releases, back and forth after each row and were slower
-than one, and one batch call per thread did not beat the loop in the server:
-docs/benchmarks.md, "The grammar replica's step at 32 sessions"). Rows are
+A typical row fills in microseconds, so handing rows to threads costs more
+than it saves: xgrammar's own BatchGrammarMatcher with two threads took
+several times longer than a plain loop for the same cheap rows; two threads
+of our own filling fast rows one by one hand the GIL, which every fill
+releases, back and forth after each row and were slower than one; and one
+batch call per thread did not beat the loop in the server
+(docs/benchmarks.md, "The grammar replica's step at 32 sessions", and "Host
+path at simulated steps", "The replica's own step, in isolation"). Rows are
 therefore filled in a loop on the step's thread, and
 only rows whose previous fill was slow (bounded strings take milliseconds)
 go to helper threads first, where they run in parallel with the loop
@@ -14,8 +15,8 @@ go to helper threads first, where they run in parallel with the loop
 there too when nothing is known of it: a replayed session starts deep in
 its document, and a grammar seen for the first time may start slow. A new
 session of a grammar whose start state filled fast last time fills in the
-loop (handing it to a thread and collecting it cost ~0.2 ms a step at 32
-sessions, more than the row).
+loop (handing it to a thread and collecting it cost more than the row:
+docs/benchmarks.md, "Host path at simulated steps", item 4).
 
 A fill cannot be interrupted, and a few grammar states take seconds (a
 long `pattern` string in a large schema). Rows on helper threads fill into

@@ -26,7 +26,8 @@ from shared.errors import InvalidRequestError, LimitExceededError
 
 
 # Steps whose rows are expected to fill faster than this run on the calling (event loop) thread:
-# the hop to a thread and back costs ~80 us, more than such a step's masks.
+# the hop to a thread and back costs more than such a step's masks (docs/benchmarks.md, "Hand-timed figures
+# behind code choices", "The grammar replica's step path").
 INLINE_STEP_SECONDS = 1e-3
 
 

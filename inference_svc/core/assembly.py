@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 # Context length of the simulated runner (it has no model config).
 SIMULATED_MAX_MODEL_LEN = 8192
 # The forward runs on its own thread while the event loop handles gRPC and grammar answers: with CPython's
-# default 5 ms GIL switch interval, a finished forward can wait milliseconds to be noticed. Whichever
-# process runs the engine hands the GIL over at least every 0.1 ms instead (sys.setswitchinterval). Against
-# 0.5 ms, at simulated 2-5 ms steps: the forward observed 0.1-1.2 ms sooner, unconstrained TPOT 0-7% lower,
-# constrained TPOT no worse; the embedded model unchanged (docs/benchmarks.md, "The GIL switch interval").
+# default GIL switch interval, a finished forward can wait milliseconds to be noticed. Whichever process runs
+# the engine hands the GIL over more often instead (sys.setswitchinterval): the forward is noticed sooner and
+# unconstrained steps get faster, constrained ones no worse, the embedded model unchanged; a shorter interval
+# gained nothing more (docs/benchmarks.md, "The GIL switch interval").
 GIL_SWITCH_INTERVAL_SECONDS = 0.0001
 
 

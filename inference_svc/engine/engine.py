@@ -20,9 +20,9 @@ One step, in order (the point of structd's design):
 The deltas of step t reach the clients' streams only once step t+1 has sent
 its grammar message and launched its forward (`_flush_outputs`): waking 32
 Generate handlers queues 32 callbacks on the event loop, and queued ahead of
-the grammar write's task they delayed it late into the forward (measured at
-simulated 2 ms steps, N = 32: 2.3 ms after send()). A delta waits for one
-schedule() and one send() more, well under a millisecond.
+the grammar write's task they delayed it late into the forward
+(docs/benchmarks.md, "Host path at simulated steps", item 1). A delta waits for
+one schedule() and one send() more, well under a millisecond.
 
 With `--sparse-head on` and a runner that splits (the paged model), a step
 with constrained rows runs the model body alone in 3; if the grammar has
@@ -552,7 +552,8 @@ class Engine:
         if logits.device.type == "cpu":
             # Drawn right here: on the CPU a step's draw is about a millisecond of numpy and torch calls that
             # hold the GIL between them; on the device thread it competed with the Generate handlers the
-            # forward's launch had just woken, and took 2-3x as long (docs/benchmarks.md).
+            # forward's launch had just woken, and took far longer (docs/benchmarks.md, "Host path at
+            # simulated steps", "Then: the draw on the event loop").
             return self._sampler.sample(logits, plan, samplers)
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._sampler.sample, logits, plan, samplers)

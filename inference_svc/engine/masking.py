@@ -1,8 +1,9 @@
 """Grammar masks onto logits, right before sampling: the one place that decides how each mask is honoured.
 
 On a GPU one xgrammar bitmask kernel does every constrained row. On the CPU
-that kernel expands 129k bits per row (an ad-hoc timing here: ~0.2 ms a row,
-6.5 ms for 32 rows), more than the rest of a step's sampling; but almost every
+that kernel expands 129k bits per row, which costs more than the rest of a
+step's sampling (docs/benchmarks.md, "Hand-timed figures behind code choices",
+"Dense masks on the CPU"); but almost every
 mask arrives as an id list (the allowed tokens after `{"`, the few disallowed
 ones inside a string: see shared/codec.SparseMask). So on the CPU a list of
 allowed ids is not applied at all (the sampler reads just those logits), a

@@ -17,14 +17,11 @@ repetition penalty (`apply_repetition_penalty`) and the EOS ban of
 distinct ids a penalty reads are kept per request, grown by each step's new
 tokens (`SeenTokens`).
 
-Timings (2-core dev box, 64 rows x 129,280, 1 thread), per step: inverse-CDF draw 10 ms vs
-torch.multinomial 123 ms and exponential race 121 ms (its Exp(1) noise alone 1.75 ms a row); argmax numpy
-0.6 ms vs torch 2.1-4.2 ms; a row's sort for top_p numpy 0.23 ms vs torch 7.9 ms, hence numpy on CPU.
-sample(): greedy 0.7 ms, T=0.7 10 ms, top_k=50 9.5 ms, top_p=0.9 40 ms. On CUDA each sampled row
-syncs twice (the peak, the token): fine while sampling runs on CPU, worth batching if it moves.
-Logprobs (16 rows, interleaved medians): greedy 0.35 ms, with logprobs 1.5 ms (a log_softmax a row), with
-top_logprobs 20 5.5 ms (plus a top-k over the row); T=0.7 4.5 ms, with logprobs 4.5 ms (the draw's own
-probabilities), with top_logprobs 20 8.7 ms; rows that do not ask cost what they did before.
+On the CPU the inverse-CDF draw is far cheaper than torch.multinomial or an exponential race, and numpy's
+argmax and sort are several times faster than torch's, hence numpy there (docs/benchmarks.md, "Hand-timed
+figures behind code choices", "Sampling on the CPU", has the timings, what logprobs cost included). On CUDA
+each sampled row syncs twice (the peak, the token): fine while sampling runs on CPU, worth batching if it
+moves.
 """
 
 from __future__ import annotations
@@ -289,8 +286,9 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
     # The logits as numpy where its argmax is the fast one (CPU float32), else None.
     x = logits.detach().numpy() if numpy_fast(logits) else None
     if candidates is not None:
-        # A greedy row without logprobs is one numpy gather and argmax (~3 µs): torch's index_select and
-        # argmax cost ~40 µs a row in dispatch, and a step holds dozens of such rows.
+        # A greedy row without logprobs is one numpy gather and argmax: torch's index_select and argmax cost
+        # far more a row in dispatch, and a step holds dozens of such rows (docs/benchmarks.md,
+        # "Sampling on the CPU").
         for i, ids in enumerate(candidates):
             if ids is None:
                 continue
@@ -336,7 +334,8 @@ def _draw(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | None]:
 def finite_at(logits: torch.Tensor, rows: list[int], cols: list[int]) -> list[bool]:
     """Whether logits[rows[k], cols[k]] is finite, for every k (one gather)."""
     if numpy_fast(logits):
-        # Indexing a tensor with Python lists converts them first (~0.2 ms for a step's rows); numpy does not.
+        # Indexing a tensor with Python lists converts them first (docs/benchmarks.md, "Sampling on the CPU");
+        # numpy does not.
         return np.isfinite(logits.detach().numpy()[rows, cols]).tolist()
     return torch.isfinite(logits[rows, cols]).tolist()
 
@@ -416,5 +415,6 @@ def _sorted_ascending(x: torch.Tensor) -> torch.Tensor:
 
 
 def numpy_fast(x: torch.Tensor) -> bool:
-    # numpy's argmax and sort are 4-30x faster than torch's on CPU (see the timings above).
+    # numpy's argmax and sort are several times faster than torch's on CPU (the module docstring says where
+    # the timings are).
     return x.device.type == "cpu" and x.dtype == torch.float32

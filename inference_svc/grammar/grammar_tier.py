@@ -24,8 +24,9 @@ re-resolved periodically; addresses that leave DNS are dropped.
 What a replica answered to a Compile is remembered per replica (constraint ->
 grammar id and warnings, `COMPILED_MEMO_ENTRIES`): the next request with the
 same constraint placed there opens its session at once, without the RPC (the
-RPC and its task were 5-8% of the inference process's CPU at ~120 new
-requests a second: docs/benchmarks.md, "Host path, second round"). The memo is dropped whenever the replica may have lost
+RPC and its task were a visible share of the inference process's CPU at a
+high rate of new requests: docs/benchmarks.md, "Host path, second round",
+item 2). The memo is dropped whenever the replica may have lost
 its cache (its stream broke, a compile found it unregistered, it left DNS).
 Should the replica have evicted the grammar meanwhile, the session's open
 fails NOT_FOUND and the request is replayed like any forgotten session;

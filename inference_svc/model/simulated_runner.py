@@ -1,7 +1,7 @@
 """A stand-in model runner for benchmarks: random logits after a fixed step time.
 
-It lets the grammar path be measured at GPU-like step times (1-10 ms) on a
-CPU machine. It is a benchmark tool, never the default: its text is noise.
+It lets the grammar path be measured at GPU-like step times (a few
+milliseconds, --simulate-step-ms) on a CPU machine. It is a benchmark tool, never the default: its text is noise.
 
 It keeps the real runner's contract: the same batch validation against a
 block manager (so the scheduler's KV accounting, back-pressure and preemption
