@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--session-idle-ttl-seconds", d.session_idle_ttl_seconds)
     f.add("--check-workers", d.check_workers,
           "worker processes that validate finished JSON-Schema outputs against their schema")
-    f.add("--preload-file", None, "JSON Lines of constraints to compile at start-up (see README)", kind=Path)
+    f.add("--preload-file", None, "JSON Lines of constraints to compile at start-up (see docs/commands.md)", kind=Path)
     f.add("--preload-tokenizer", None,
           "Hugging Face tokenizer directory for --preload-file (default: the embedded tokenizer)", kind=Path)
     f.add("--grace-seconds", d.grace_seconds)

@@ -55,4 +55,5 @@ class FlagSet:
         if raw is not None:
             default = _FromEnv(raw)
             default.variable = self.variable(flag)
-        self.parser.add_argument(flag, type=_converter(convert, name), default=default, help=help)
+        action = self.parser.add_argument(flag, type=_converter(convert, name), default=default, help=help)
+        action.env_variable = self.variable(flag)  # docs/cli.md names it (structd/cli_reference.py)

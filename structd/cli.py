@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shared.entry import setup_logging
 from shared.flags import FlagSet
+from structd import cli_reference
 
 # Subcommand -> the service entry module it runs.
 SERVICES = {"grammar": "grammar_svc.__main__", "inference": "inference_svc.__main__", "gateway": "gateway.__main__"}
@@ -130,6 +131,16 @@ def _add_bench(sub) -> None:
         p.set_defaults(func=_bench_command(module))
 
 
+def _add_docs(sub) -> None:
+    docs = sub.add_parser("docs", help="documentation written from the code")
+    dsub = docs.add_subparsers(dest="docs", required=True)
+    p = dsub.add_parser("cli", help="docs/cli.md, this command line's reference, from its parsers",
+                        description="Print, write or check docs/cli.md: every command with its usage, "
+                                    "description and flags (default, help, environment variable).")
+    cli_reference.add_arguments(p)
+    p.set_defaults(func=lambda args: cli_reference.run(args, build_parser))
+
+
 def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="structd", description=__doc__.split("\n\n")[0].strip())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +162,7 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         p.set_defaults(func=generate.run)
     if _installed("structd.bench"):
         _add_bench(sub)
+    _add_docs(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ side dials, one CA), the NetworkPolicies of the inference pods and the
 gateway (who may reach which port, and where they may go), the container
 hardening beyond tests/test_deploy_k8s.py, the inference tier as a real
 tensor-parallel group by default with the one-GPU overlay, and image tags that
-agree between kustomize, docker-compose and the README.
+agree between kustomize, docker-compose and docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ def kustomization_comment() -> str:
     return "\n".join(line for line in (K8S / "kustomization.yaml").read_text().splitlines() if line.startswith("#"))
 
 
-def test_image_tags_agree_between_kustomize_compose_and_readme():
+def test_image_tags_agree_between_kustomize_compose_and_deploy_docs():
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert {i["name"]: i["newTag"] for i in kustomization()["images"]} == {
         "structd-grammar": version, "structd-inference": version, "structd-gateway": version}
@@ -360,6 +360,6 @@ def test_image_tags_agree_between_kustomize_compose_and_readme():
     expected = {"grammar": f"structd-grammar:{version}", "inference": f"structd-inference:{version}-cpu",
                 "gateway": f"structd-gateway:{version}"}
     assert {name: compose[name]["image"] for name in expected} == expected
-    readme = (REPO / "README.md").read_text()
+    deploy_docs = (REPO / "docs" / "deploy.md").read_text()
     for image in [*expected.values(), f"structd-inference:{version}"]:
-        assert re.search(rf"`{re.escape(image)}`", readme), f"README does not name {image}"
+        assert re.search(rf"`{re.escape(image)}`", deploy_docs), f"docs/deploy.md does not name {image}"

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> inference.v1 GenerateRequest (gateway/translation/request.py), field by field.
 
-No service runs here: these pin the translation decisions README.md
-("Gateway") documents, and that every refused field is a 400 naming its
+No service runs here: these pin the translation decisions docs/openai.md
+documents, and that every refused field is a 400 naming its
 parameter. The HTTP tests (tests/test_gateway_*.py) run the same paths end
 to end.
 """
@@ -156,7 +156,7 @@ def test_unknown_model_is_404_like_vllm():
 def test_json_schema_is_always_decoded_strictly(response_format):
     c = chat(response_format=response_format).grpc_request.constraint
     assert json.loads(c.json_schema) == SCHEMA
-    assert not c.json_options.lenient, "strict or not, no properties beyond the schema's (README: Gateway)"
+    assert not c.json_options.lenient, "strict or not, no properties beyond the schema's (docs/openai.md)"
 
 
 @pytest.mark.parametrize("body, check", [

@@ -7,7 +7,7 @@ and jump-forward options). What structd cannot honour is refused with a 400
 naming the parameter rather than ignored: `n` > 1, non-zero presence /
 frequency penalties, `logit_bias`, `echo`, `suffix`. Fields this gateway
 does not know are ignored, as vLLM does (`user`, `metadata`, `store`, ...).
-README.md ("Gateway") documents every decision made here.
+docs/openai.md documents every decision made here.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _response_format(rf: Fields, c: pb.Constraint) -> bool:
         if spec is None or not spec.has("schema"):
             raise rf.fail("json_schema", "'response_format.json_schema.schema' is required with type json_schema.")
         spec.string("name")
-        spec.boolean("strict")  # typed, not used: structd always decodes in strict mode (README, "Gateway")
+        spec.boolean("strict")  # typed, not used: structd always decodes in strict mode (docs/openai.md)
         c.json_schema = _json_text(spec, "schema")
         return True
     raise rf.fail("type", f"'response_format.type' must be text, json_object or json_schema, not {kind!r}.")
