@@ -43,7 +43,7 @@ class EngineConfig:
     # Prompts longer than this (UTF-8 bytes) are refused before they are tokenized.
     max_prompt_bytes: int = 1 << 20
     # The LM head over the allowed ids only, for steps whose every sampled row has a short allowed-id list
-    # (sparse_head.py; docs/benchmarks.md measures it).
+    # (sparse_head.py; docs/benchmarks.md, "LM head at the allowed ids", measures it).
     sparse_head: bool = True
     # Greedy rows without logprobs computed at the ids a bfloat16 screen of the head keeps (greedy_head.py:
     # the float32 argmax exactly, on CPUs with bfloat16 oneDNN; needs the sparse head's split).
@@ -74,7 +74,7 @@ class InferenceServiceConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     block_size: int = DEFAULT_BLOCK_SIZE
     # torch.compile of the model body: auto (default on CUDA, off on CPU, where it gains too little to pay
-    # its compile: docs/benchmarks.md), off, default or max-autotune.
+    # its compile: docs/benchmarks.md, "Compiled body"), off, default or max-autotune.
     compile: str = "auto"
     # Token-count buckets the body is compiled for (empty: powers of two up to --max-num-batched-tokens).
     compile_buckets: tuple[int, ...] = ()
@@ -165,8 +165,9 @@ class InferenceServiceConfig:
     def engine_in_own_process(self) -> bool:
         """--engine-process in force. auto is on where the model runs on CUDA: there a step takes a few
         milliseconds and the clients' streams, on the step loop's event loop in one process, are what delays
-        it. On the CPU the split measured no gain (docs/benchmarks.md): a step's 129k-wide logits, copied,
-        masked and drawn on the host, outweigh the streams, which overlap the forward anyway."""
+        it. On the CPU the split measured no gain (docs/benchmarks.md, "Host path, second round"): a step's
+        129k-wide logits, copied, masked and drawn on the host, outweigh the streams, which overlap the forward
+        anyway."""
         if self.engine_process != "auto":
             return self.engine_process == "on"
         from inference_svc.model.model_loading import default_device

@@ -18,7 +18,7 @@ It accepts exactly the same strings, but a token that overflows the length
 now fails *inside* the rule (certain at compile time), so the mask is a
 cached lookup again. `c{m, -1}` (minLength only) gets the same treatment
 with one self-recursive tail rule. Measured effect (`structd bench grammar`
-compares both forms mask by mask): docs/benchmarks.md.
+compares both forms mask by mask): docs/benchmarks.md, "Bounded strings".
 
 Where `c` is a JSON string character (grammar_svc/schema/json_strings.py: an
 unescaped character or an escape sequence), each link spells out both

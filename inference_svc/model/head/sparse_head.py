@@ -76,7 +76,7 @@ def head_plan(sample: Sequence[int], masked: Masked, vocab_size: int, *, partial
     independent) a row needing every column means the full head; with it,
     those rows get the full head and the rest their columns, as long as they
     are at most half the rows to sample (a full head over k rows costs about
-    as much as over 2k at these sizes: docs/benchmarks.md). A union of
+    as much as over 2k at these sizes: docs/benchmarks.md, "The partial head"). A union of
     allowed ids over max_ids means the full head. No rows to sample: an
     empty plan (no head at all).
     """
