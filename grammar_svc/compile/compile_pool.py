@@ -167,8 +167,9 @@ class _Zygote:
 
     A fresh interpreter takes seconds of CPU to import xgrammar (and torch,
     which xgrammar imports), far more on a loaded machine (docs/benchmarks.md,
-    "Compile workers"): far too slow to open a worker lane for compiles that are already waiting,
-    and a cost paid again for every worker killed at its deadline.
+    "Compile workers"): far too slow to open a worker lane for compiles that
+    are already waiting, and a cost paid again for every worker killed at its
+    deadline.
     """
 
     def __init__(self):

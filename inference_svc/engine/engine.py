@@ -550,8 +550,8 @@ class Engine:
                 plan.before_min_tokens.append(i)
         samplers = [sampled[i].sampler for i in plan.sample]
         if logits.device.type == "cpu":
-            # Drawn right here: on the CPU a step's draw is about a millisecond of numpy and torch calls that
-            # hold the GIL between them; on the device thread it competed with the Generate handlers the
+            # Drawn right here: on the CPU a step's draw is a short run of numpy and torch calls that hold the
+            # GIL between them; on the device thread it competed with the Generate handlers the
             # forward's launch had just woken, and took far longer (docs/benchmarks.md, "Host path at
             # simulated steps", "Then: the draw on the event loop").
             return self._sampler.sample(logits, plan, samplers)
