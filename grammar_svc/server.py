@@ -44,8 +44,9 @@ class GrammarServer(Hosted):
             tokenizers_in_sessions=self.limiter.fingerprints_in_use)
         self.filler = MaskFiller(config.fill_threads, config.max_row_fill_seconds)
         self.checks = OutputChecks(self.backend, self.metrics, config.check_workers)
-        self.servicer = GrammarServicer(self.backend, self.limiter, self.filler, self.metrics,
-                                        config.max_tokens_per_step, config.max_mask_cache_slots, self.checks)
+        self.servicer = GrammarServicer(backend=self.backend, limiter=self.limiter, filler=self.filler,
+                                        metrics=self.metrics, max_tokens_per_step=config.max_tokens_per_step,
+                                        max_mask_cache_slots=config.max_mask_cache_slots, checks=self.checks)
         # Created in start(): grpc.aio objects bind to the running event loop.
         self.host: ServiceHost | None = None
         self._sweeper: asyncio.Task | None = None

@@ -86,7 +86,7 @@ def op_from_proto(s: pb.SessionStep) -> SessionOp:
 
 
 class GrammarServicer(pb_grpc.GrammarServiceServicer):
-    def __init__(self, backend: GrammarBackend, limiter: SessionLimiter, filler: MaskFiller,
+    def __init__(self, *, backend: GrammarBackend, limiter: SessionLimiter, filler: MaskFiller,
                  metrics: GrammarMetrics, max_tokens_per_step: int, max_mask_cache_slots: int,
                  checks: OutputChecks):
         self.backend = backend
@@ -139,7 +139,8 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
 
     async def Step(self, request_iterator, context):
         sessions = StreamSessions(self.limiter)
-        stepper = Stepper(self.backend, sessions, self.filler, self.metrics, self.max_tokens_per_step)
+        stepper = Stepper(backend=self.backend, sessions=sessions, filler=self.filler, metrics=self.metrics,
+                          max_tokens_per_step=self.max_tokens_per_step)
         self.metrics.active_streams.inc()
         try:
             first = True

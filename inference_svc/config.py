@@ -175,12 +175,22 @@ class InferenceServiceConfig:
         return (self.device or default_device()).startswith("cuda")
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        from inference_svc.model.compiled_forward import bucket_sizes
-
         return tuple(sorted(set(self.compile_buckets))) or bucket_sizes(self.engine.max_num_batched_tokens)
 
     def torch_threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 2) // 2)
+
+
+def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two up to max_tokens, and max_tokens itself: a step pads to at most twice its tokens."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_tokens)
+    return tuple(sizes)
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:

@@ -45,7 +45,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 class InferenceServer(Hosted):
     """One inference replica. `start` returns once it is SERVING; `stop` drains."""
 
-    def __init__(self, config: InferenceServiceConfig, rank: RankInfo | None = None,
+    def __init__(self, config: InferenceServiceConfig, *, rank: RankInfo | None = None,
                  children: Sequence[subprocess.Popen] = (), source: ModelSource | None = None):
         self.config = config
         self.rank = rank  # rank 0 of a tensor-parallel group, or None
@@ -71,14 +71,14 @@ class InferenceServer(Hosted):
         if own_process:
             if self.source is None:
                 self.source = await asyncio.to_thread(resolve_source, c)
-            self.engine = client = EngineClient(c, self.rank, self.source, on_fatal=self._engine_died)
+            self.engine = client = EngineClient(c, rank=self.rank, source=self.source, on_fatal=self._engine_died)
             await client.launch(grammar_connect_timeout)  # the core loads the model while this one loads the tokenizer
             tok = await asyncio.to_thread(load_tokenizer, c, self.source)
             template, family, _ = await asyncio.to_thread(load_chat, c, tok)
         else:
             if c.metrics_port:
                 self.host.serve_metrics(c.host, c.metrics_port, self.metrics.registry)
-            self.stack = EngineAssembly(c, self.metrics, self.rank, self.source, on_fatal=self._engine_died)
+            self.stack = EngineAssembly(c, self.metrics, rank=self.rank, source=self.source, on_fatal=self._engine_died)
             served = await self.stack.build()
             self.engine, self.runner, self.grammar = self.stack.engine, self.stack.runner, self.stack.grammar
             self.model_info = served.info
@@ -177,7 +177,7 @@ async def serve(config: InferenceServiceConfig, argv: Sequence[str] = ()) -> Non
         raise SystemExit(f"structd inference: {e}") from None
     if config.tp > 1 and rank is None:
         rank, children = spawn_local_ranks(config.tp, argv)
-    server = InferenceServer(config, rank, children, source)
+    server = InferenceServer(config, rank=rank, children=children, source=source)
 
     async def stop() -> None:
         log.info("draining (grace %.1f s)", config.grace_seconds)

@@ -8,7 +8,8 @@ from transformers import AutoTokenizer
 from inference_svc.api.chat import NO_TEMPLATE, ChatMessage, ChatTemplate, ChatTemplateError
 from inference_svc.model.embedded_model import CHAT_TEMPLATE, EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.api.model_family import load_family
-from inference_svc.api.tool_calls import ParsedToolCall, ToolCallParser, ToolSpec
+from inference_svc.api.tool_calls import ToolCallParser, ToolSpec
+from inference_svc.types import ParsedToolCall
 from shared.errors import InvalidRequestError
 
 BOS, USER, ASSISTANT, THINK, END_THINK, EOS = 0, 128803, 128804, 128821, 128822, 1

@@ -13,8 +13,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_link import GrammarLink
 from inference_svc.grammar.grammar_tier import GrammarRow, GrammarTier, RowOutcome
+from inference_svc.types import Constraint
 from shared.codec import words_for_vocab
 from tests.conftest import start_grammar_server
 
@@ -35,7 +36,7 @@ def _cache_bytes(server) -> float:
     return server.server.metrics.registry.get_sample_value("grammar_svc_cache_bytes")
 
 
-async def _step(tier: GrammarTier, sessions: list[GrammarSession], vocab: int):
+async def _step(tier: GrammarTier, sessions: list[GrammarLink], vocab: int):
     bitmask = np.zeros((len(sessions), words_for_vocab(vocab)), dtype=np.int32)
     return (await tier.send([GrammarRow(s, i) for i, s in enumerate(sessions)], bitmask).receive(30.0)).rows
 
@@ -47,13 +48,13 @@ def replica():
     srv.stop()
 
 
-@pytest.mark.parametrize("spec", [pytest.param(LETTERS, id="regex"), pytest.param(UNIQUE, id="schema-warnings")])
-def test_the_same_constraint_again_is_placed_without_a_compile(replica, tokenizer_desc, spec):
+@pytest.mark.parametrize("constraint", [pytest.param(LETTERS, id="regex"), pytest.param(UNIQUE, id="schema-warnings")])
+def test_the_same_constraint_again_is_placed_without_a_compile(replica, tokenizer_desc, constraint):
     async def go():
         tier = GrammarTier((replica.target,), tokenizer_desc, step_timeout_seconds=30.0)
         try:
             assert await tier.connect() == 1
-            first, second, replay = GrammarSession(spec), GrammarSession(spec), GrammarSession(spec)
+            first, second, replay = GrammarLink(constraint), GrammarLink(constraint), GrammarLink(constraint)
             await tier.compile(first)
             after_first = _compiles(replica)
             await tier.compile(second)
@@ -72,7 +73,7 @@ def test_the_same_constraint_again_is_placed_without_a_compile(replica, tokenize
     assert after_replay == after_second + 1
     assert second.grammar_id == first.grammar_id == replay.grammar_id
     assert second.warnings == first.warnings == replay.warnings
-    assert bool(first.warnings) == (spec is UNIQUE)
+    assert bool(first.warnings) == (constraint is UNIQUE)
     assert second.session_id != first.session_id
     assert [r.outcome for r in rows] == [RowOutcome.OK] * 3
 
@@ -80,17 +81,17 @@ def test_the_same_constraint_again_is_placed_without_a_compile(replica, tokenize
 def test_a_grammar_evicted_by_the_replica_is_replayed_not_failed(tokenizer_desc):
     sizing = start_grammar_server()
     try:
-        async def size_of(spec):
+        async def size_of(constraint):
             tier = GrammarTier((sizing.target,), tokenizer_desc)
             try:
                 await tier.connect()
                 before = _cache_bytes(sizing)
-                await tier.compile(GrammarSession(spec))
+                await tier.compile(GrammarLink(constraint))
                 return _cache_bytes(sizing) - before
             finally:
                 await tier.close()
 
-        sizes = [asyncio.run(size_of(spec)) for spec in (LETTERS, DIGITS)]
+        sizes = [asyncio.run(size_of(constraint)) for constraint in (LETTERS, DIGITS)]
     finally:
         sizing.stop()
     # Room for one of the two grammars, not both: compiling the second evicts the first.
@@ -100,9 +101,9 @@ def test_a_grammar_evicted_by_the_replica_is_replayed_not_failed(tokenizer_desc)
             tier = GrammarTier((small.target,), tokenizer_desc, step_timeout_seconds=30.0)
             try:
                 await tier.connect()
-                await tier.compile(GrammarSession(LETTERS))
-                await tier.compile(GrammarSession(DIGITS))  # LETTERS leaves the replica's cache
-                stale = GrammarSession(LETTERS)
+                await tier.compile(GrammarLink(LETTERS))
+                await tier.compile(GrammarLink(DIGITS))  # LETTERS leaves the replica's cache
+                stale = GrammarLink(LETTERS)
                 await tier.compile(stale)  # remembered: placed without asking
                 lost = await _step(tier, [stale], tokenizer_desc.vocab_size)
                 tier.release(stale)

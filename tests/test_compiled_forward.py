@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from inference_svc import config as iconfig
-from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, bucket_sizes, inductor_mode
+from inference_svc.config import bucket_sizes
+from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, inductor_mode
 from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch

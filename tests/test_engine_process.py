@@ -201,7 +201,7 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
     try:
         # Its metrics port is taken: the core cannot serve the metrics, and the API server must not hang.
         cfg = _config(grammar_server, simulate_step_ms=5.0, metrics_port=taken.server.metrics_port)
-        client = EngineClient(cfg, None, resolve_source(cfg))
+        client = EngineClient(cfg, rank=None, source=resolve_source(cfg))
 
         async def start():
             await client.launch(30.0)
@@ -256,3 +256,27 @@ def test_the_flag(argv, env, device, want):
 def test_a_bad_flag_value_says_what_to_use():
     with pytest.raises(SystemExit, match="--engine-process yes: use auto, on, off"):
         _parsed(["--engine-process", "yes"])
+
+
+def test_both_engines_have_the_face_the_frontend_talks_to():
+    """The Frontend is typed ServingEngine and handed Engine or EngineClient: both take submit's arguments the
+    same way, and both requests carry their outputs and compile warnings where the servicer reads them."""
+    import inspect
+
+    from inference_svc.api.frontend import ServingEngine, SubmittedRequest
+    from inference_svc.core.engine_client import EngineClient, RemoteRequest
+    from inference_svc.engine.engine import Engine
+    from inference_svc.engine.request import GenerationRequest
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    for engine in (Engine, EngineClient):
+        for method in ("submit", "cancel"):
+            assert parameters(getattr(engine, method))[1:] == parameters(getattr(ServingEngine, method))[1:], \
+                f"{engine.__name__}.{method}"
+    wanted = {name for name, _ in inspect.getmembers(SubmittedRequest, lambda m: isinstance(m, property))}
+    assert wanted == {"outputs", "warnings"}
+    remote = RemoteRequest(1, "r")
+    assert all(hasattr(remote, name) for name in wanted) and remote.warnings == ()
+    assert isinstance(GenerationRequest.warnings, property) and "outputs" in GenerationRequest.__dataclass_fields__

@@ -12,8 +12,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_link import GrammarLink
 from inference_svc.grammar.grammar_tier import GrammarRow, GrammarTier, RowOutcome
+from inference_svc.types import Constraint
 from shared.codec import words_for_vocab
 from tests.conftest import start_grammar_server
 
@@ -43,7 +44,7 @@ def test_sessions_compiled_together_split_evenly_and_a_step_gets_both_answers(tw
         tier = GrammarTier(targets, tokenizer_desc, step_timeout_seconds=30.0)
         try:
             assert await tier.connect() == 2
-            batch = [GrammarSession(THREE_DIGITS) for _ in range(sessions)]
+            batch = [GrammarLink(THREE_DIGITS) for _ in range(sessions)]
             # All at once, as the engine's compile tasks for requests that arrive together.
             await asyncio.gather(*(tier.compile(s) for s in batch))
             per_target = [sum(tier.target(s.replica) == t for s in batch) for t in targets]
@@ -77,14 +78,14 @@ def test_a_released_replica_takes_the_next_sessions(two_replicas, tokenizer_desc
         tier = GrammarTier(targets, tokenizer_desc)
         try:
             await tier.connect()
-            first = [GrammarSession(THREE_DIGITS) for _ in range(4)]
+            first = [GrammarLink(THREE_DIGITS) for _ in range(4)]
             for s in first:
                 await tier.compile(s)
             placed = [tier.target(s.replica) for s in first]
             for s, target in zip(first, placed):
                 if target == targets[0]:
                     tier.release(s)
-            later = [GrammarSession(THREE_DIGITS) for _ in range(3)]
+            later = [GrammarLink(THREE_DIGITS) for _ in range(3)]
             for s in later:
                 await tier.compile(s)
             return placed, [tier.target(s.replica) for s in later]
@@ -108,8 +109,8 @@ def test_a_refused_compile_gives_its_place_back(two_replicas, tokenizer_desc):
         try:
             await tier.connect()
             with pytest.raises(errors.InvalidGrammarError):
-                await tier.compile(GrammarSession(Constraint("ebnf", "root ::= undefined_rule")))
-            ok = GrammarSession(THREE_DIGITS)
+                await tier.compile(GrammarLink(Constraint("ebnf", "root ::= undefined_rule")))
+            ok = GrammarLink(THREE_DIGITS)
             await tier.compile(ok)
             return tier.target(ok.replica)
         finally:

@@ -17,9 +17,10 @@ import socket
 
 import pytest
 
-from inference_svc.grammar.grammar_link import Constraint, GrammarSession
+from inference_svc.grammar.grammar_link import GrammarLink
 from inference_svc.grammar.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, GrammarProtocolError, GrammarRow, GrammarTier,
                                         RowOutcome, _check_answer, _row_result)
+from inference_svc.types import Constraint
 from structd.bench.harness import ChildService
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.inference_client import InferenceClient
@@ -104,7 +105,7 @@ def test_replay_of_thousands_of_tokens_is_split(grammar_server, tokenizer_desc, 
         tier = GrammarTier((grammar_server.target,), tokenizer_desc, step_timeout_seconds=30.0)
         try:
             assert await tier.connect() == 1
-            session = GrammarSession(Constraint("ebnf", 'root ::= [a-z]* "."'))
+            session = GrammarLink(Constraint("ebnf", 'root ::= [a-z]* "."'))
             await tier.compile(session)
             session.rebuild_from([a] * n)
             bitmask = _bitmask(tokenizer_desc.vocab_size)
@@ -130,8 +131,8 @@ def test_replay_that_fails_midway_reports_that_row(grammar_server, tokenizer_des
         tier = GrammarTier((grammar_server.target,), tokenizer_desc, step_timeout_seconds=30.0)
         try:
             await tier.connect()
-            bad = GrammarSession(Constraint("ebnf", 'root ::= [a-z]* "."'))
-            good = GrammarSession(Constraint("ebnf", 'root ::= [a-z]* "."'))
+            bad = GrammarLink(Constraint("ebnf", 'root ::= [a-z]* "."'))
+            good = GrammarLink(Constraint("ebnf", 'root ::= [a-z]* "."'))
             await tier.compile(bad)
             await tier.compile(good)
             bad.rebuild_from(digit + [a] * (MAX_ACCEPT_PER_MESSAGE + 10))
@@ -156,7 +157,7 @@ def test_compile_on_a_replica_gone_unavailable_moves_to_another(tokenizer_desc):
                 # Pretend the first was registered before it went away: it is the one a compile picks first.
                 first = next(iter(tier._replicas.values()))
                 first.registered = True
-                session = GrammarSession(Constraint("regex", "[0-9]{3}"))
+                session = GrammarLink(Constraint("regex", "[0-9]{3}"))
                 await tier.compile(session)
                 return tier.target(session.replica), first.registered
             finally:

@@ -14,8 +14,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.step.jump_forward import MEMO_MAX_CHARS, ForcedTokensMemo, _tokenize_forced, forced_tokens
-from grammar_svc.compile.tokenizer_registry import TokenizerRegistry
+from grammar_svc.compile.tokenizer_registry import ForcedTokensMemo, TokenizerRegistry
+from grammar_svc.step.jump_forward import MEMO_MAX_CHARS, _tokenize_forced, forced_tokens
 
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                        "kind": {"enum": ["alpha", "beta"]}},

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from grammar_svc.compile.cache import CompiledEntry
 from grammar_svc.step.mask_filler import SLOW_ROW_SECONDS, MaskFiller
-from grammar_svc.step.session import GrammarSession
+from grammar_svc.step.session import MatcherSession
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer
 from shared.codec import SAME_AS, MaskDecoder, MaskEncoder, StreamMaskCache, assign_wire_forms, words_for_vocab
 
@@ -46,7 +46,7 @@ def test_rows_are_canonical_and_repeats_are_same_as(entries, cached):
     encoder = MaskEncoder(vocab)
     cache = StreamMaskCache(8) if cached else None
     names = ["letters", "digits", "letters", "any", "digits", "letters"]
-    sessions = [GrammarSession(i, entries[n]) for i, n in enumerate(names)]
+    sessions = [MatcherSession(i, entries[n]) for i, n in enumerate(names)]
     decoder = MaskDecoder(vocab, 8 if cached else 0)
     try:
         for step in range(2):  # the second time, the cached rows come back as slots
@@ -77,7 +77,7 @@ def test_new_sessions_of_a_grammar_with_a_fast_start_fill_in_the_loop(entries):
     state has filled fast, its new sessions fill in the loop."""
     filler = MaskFiller(threads=1)
     try:
-        first = GrammarSession(1, entries["letters"])
+        first = MatcherSession(1, entries["letters"])
         assert filler._slow(first), "a grammar never seen: its start may be slow"
         filled, late = filler.fill([(0, first)])
         assert late == [] and len(filled) == 1
@@ -88,17 +88,17 @@ def test_new_sessions_of_a_grammar_with_a_fast_start_fill_in_the_loop(entries):
         for session_id in range(100, 120):
             if start.last_fill_seconds <= SLOW_ROW_SECONDS:
                 break
-            assert filler._slow(GrammarSession(session_id, entries["letters"])), "its start last filled slowly"
-            start = GrammarSession(session_id, entries["letters"])
+            assert filler._slow(MatcherSession(session_id, entries["letters"])), "its start last filled slowly"
+            start = MatcherSession(session_id, entries["letters"])
             filler.fill([(0, start)])
         assert start.last_fill_seconds <= SLOW_ROW_SECONDS, "no start fill under the threshold in 20 tries"
-        assert not filler._slow(GrammarSession(2, entries["letters"]))
-        assert filler._slow(GrammarSession(3, entries["digits"])), "another grammar is still unknown"
-        replay = GrammarSession(4, entries["letters"])
+        assert not filler._slow(MatcherSession(2, entries["letters"]))
+        assert filler._slow(MatcherSession(3, entries["digits"])), "another grammar is still unknown"
+        replay = MatcherSession(4, entries["letters"])
         assert replay.accept([0, 1]) == 2
         assert filler._slow(replay), "a replayed session starts deep in its document"
         # A start state that filled slowly keeps its grammar's new sessions on helper threads.
-        filler._note_start_fills([(0, GrammarSession(5, entries["any"]))], [0], late_pos={0})
-        assert filler._slow(GrammarSession(6, entries["any"]))
+        filler._note_start_fills([(0, MatcherSession(5, entries["any"]))], [0], late_pos={0})
+        assert filler._slow(MatcherSession(6, entries["any"]))
     finally:
         filler.close()

@@ -20,7 +20,7 @@ import xgrammar as xgr
 from grammar_svc import config as gconfig
 from grammar_svc.compile.cache import CompiledEntry
 from grammar_svc.step.mask_filler import MaskFiller
-from grammar_svc.step.session import GrammarSession
+from grammar_svc.step.session import MatcherSession
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer
 from shared.codec import MaskEncoder
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
@@ -50,14 +50,14 @@ def slow_grammar(monkeypatch):
     mask takes seconds (xgrammar has them, but not on demand); every other session fills for real."""
     slow_ids: set[str] = set()
     release = threading.Event()
-    real_fill = GrammarSession.fill
+    real_fill = MatcherSession.fill
 
     def fill(self, bitmask, row):
         if self.entry.grammar_id in slow_ids:
             release.wait(30)
         real_fill(self, bitmask, row)
 
-    monkeypatch.setattr(GrammarSession, "fill", fill)
+    monkeypatch.setattr(MatcherSession, "fill", fill)
     yield slow_ids
     release.set()
 
@@ -65,8 +65,8 @@ def slow_grammar(monkeypatch):
 def test_a_row_past_the_budget_is_late_and_the_others_are_filled(entries, slow_grammar):
     filler = MaskFiller(threads=1, max_row_fill_seconds=0.2)
     slow_grammar.add("abc")
-    fast, slow, queued = (GrammarSession(1, entries["letters"]), GrammarSession(2, entries["abc"]),
-                          GrammarSession(3, entries["letters"]))
+    fast, slow, queued = (MatcherSession(1, entries["letters"]), MatcherSession(2, entries["abc"]),
+                          MatcherSession(3, entries["letters"]))
     # Routing follows each session's history: the fast one fills in the step's loop, the others go to the
     # one helper thread, where the third waits behind the stuck one (its budget has not started).
     fast.last_fill_seconds, slow.last_fill_seconds, queued.last_fill_seconds = 1e-6, 1.0, 1.0

@@ -19,7 +19,7 @@ import xgrammar as xgr
 
 from grammar_svc.compile.spec import GrammarSpec, Kind, compile_spec
 
-from inference_svc.grammar.grammar_link import Constraint, JsonOptions
+from inference_svc.types import Constraint, JsonOptions
 from inference_svc.api.model_family import ModelFamily, load_family
 from inference_svc.api.tool_calls import (
     MAX_TOOLS,

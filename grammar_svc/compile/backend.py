@@ -1,7 +1,7 @@
 """Engine-level grammar backend: tokenizers, compilation and the compiled-grammar cache (masks are the
 sessions' and the mask filler's).
 
-The request-level counterpart is `grammar_svc.step.session.GrammarSession` (the
+The request-level counterpart is `grammar_svc.step.session.MatcherSession` (the
 same two levels as vLLM's structured-output backend types). Compiles of the
 same grammar are coalesced (single flight) and run in killable worker
 processes, so a request never waits on another request's grammar. A compile

@@ -20,16 +20,45 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from grammar_svc.step.jump_forward import ForcedTokensMemo
 from shared.errors import InvalidRequestError, LimitExceededError, NotFoundError, UnknownTokenizerError
 from shared.tokenizer import fingerprint as fingerprint_of
 
 # A 129k-token TokenizerInfo is 4.4 MB of JSON; allow generous headroom.
 MAX_TOKENIZER_JSON_BYTES = 64 << 20
+# (last token, forced string) pairs remembered per tokenizer; the memo starts over when full.
+MEMO_ENTRIES = 8192
 
 
 class TokenizersFullError(LimitExceededError):
     """Every tokenizer slot is in use (RESOURCE_EXHAUSTED, like any limit; its own class so it is counted)."""
+
+
+class ForcedTokensMemo:
+    """(last token, forced string) -> (forced text, token ids), for one tokenizer (step/jump_forward.py's).
+
+    Steps of different streams run on different threads: the dict is only
+    read, or replaced whole under a lock, so a reader never sees it half
+    cleared. Entries are never mutated (callers get a copy of the ids).
+    """
+
+    __slots__ = ("_entries", "_lock", "_max")
+
+    def __init__(self, max_entries: int = MEMO_ENTRIES):
+        self._entries: dict[tuple[int | None, str], tuple[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+        self._max = max_entries
+
+    def get(self, key: tuple[int | None, str]) -> tuple[str, tuple[int, ...]] | None:
+        return self._entries.get(key)
+
+    def put(self, key: tuple[int | None, str], value: tuple[str, tuple[int, ...]]) -> None:
+        with self._lock:
+            if len(self._entries) >= self._max:
+                self._entries = {}
+            self._entries[key] = value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True)

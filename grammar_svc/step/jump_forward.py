@@ -21,40 +21,8 @@ memo of them: a lookup costs far less than tokenizing (docs/benchmarks.md,
 
 from __future__ import annotations
 
-import threading
-
-# (last token, forced string) pairs remembered per tokenizer; the memo starts over when full.
-MEMO_ENTRIES = 8192
 # Longer forced strings (a long const) are rare and would make the memo's memory unbounded in practice.
 MEMO_MAX_CHARS = 256
-
-
-class ForcedTokensMemo:
-    """(last token, forced string) -> (forced text, token ids), for one tokenizer.
-
-    Steps of different streams run on different threads: the dict is only
-    read, or replaced whole under a lock, so a reader never sees it half
-    cleared. Entries are never mutated (callers get a copy of the ids).
-    """
-
-    __slots__ = ("_entries", "_lock", "_max")
-
-    def __init__(self, max_entries: int = MEMO_ENTRIES):
-        self._entries: dict[tuple[int | None, str], tuple[str, tuple[int, ...]]] = {}
-        self._lock = threading.Lock()
-        self._max = max_entries
-
-    def get(self, key: tuple[int | None, str]) -> tuple[str, tuple[int, ...]] | None:
-        return self._entries.get(key)
-
-    def put(self, key: tuple[int | None, str], value: tuple[str, tuple[int, ...]]) -> None:
-        with self._lock:
-            if len(self._entries) >= self._max:
-                self._entries = {}
-            self._entries[key] = value
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def forced_tokens(matcher, tokenizer, last_token: int | None) -> tuple[str, list[int]]:

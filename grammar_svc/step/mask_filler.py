@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import xgrammar as xgr
 
-from grammar_svc.step.session import GrammarSession
+from grammar_svc.step.session import MatcherSession
 from shared.codec import EncodedMask, FilledRow, MaskEncoder, StreamMaskCache
 
 # A row whose last fill took longer than this is filled on a helper thread.
@@ -88,7 +88,7 @@ class _ThreadedRow:
 
     __slots__ = ("session", "vocab_size", "started", "future")
 
-    def __init__(self, session: GrammarSession, vocab_size: int):
+    def __init__(self, session: MatcherSession, vocab_size: int):
         self.session = session
         self.vocab_size = vocab_size
         self.started: float | None = None
@@ -119,7 +119,7 @@ class LateRow:
     """A row whose fill outlived the step's budget (still running on its abandoned thread)."""
 
     index: int
-    session: GrammarSession
+    session: MatcherSession
     fill_seconds: float  # how long it had been filling when it was given up
     position: int  # its place among the rows passed to fill()
 
@@ -138,7 +138,7 @@ class MaskFiller:
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="structd-fill")
 
-    def _submit(self, session: GrammarSession, vocab_size: int) -> _ThreadedRow:
+    def _submit(self, session: MatcherSession, vocab_size: int) -> _ThreadedRow:
         row = _ThreadedRow(session, vocab_size)
         try:
             row.future = self._pool.submit(row.run)
@@ -179,7 +179,7 @@ class MaskFiller:
                 retired.shutdown(wait=False)
         return late
 
-    def _slow(self, s: GrammarSession) -> bool:
+    def _slow(self, s: MatcherSession) -> bool:
         """Whether a row is expected to be slow, and so goes to a helper thread."""
         if not s.never_filled:
             return s.last_fill_seconds > SLOW_ROW_SECONDS
@@ -202,7 +202,7 @@ class MaskFiller:
             enc = self._encoders.setdefault(vocab_size, MaskEncoder(vocab_size))
         return enc
 
-    def fill(self, rows: list[tuple[int, GrammarSession]],
+    def fill(self, rows: list[tuple[int, MatcherSession]],
              cache: StreamMaskCache | None = None) -> tuple[list[FilledRow], list[LateRow]]:
         """(result index, session) pairs -> their filled rows, in input order (a row the client has
         cached is not encoded), and the rows that did not fill within --max-row-fill-seconds."""

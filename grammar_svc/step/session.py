@@ -1,4 +1,4 @@
-"""Request-level grammar session: one xgrammar matcher and what it has accepted.
+"""Request-level grammar session (MatcherSession): one xgrammar matcher and what it has accepted.
 
 Its state is a pure function of (grammar, accepted tokens), which is what
 makes failover by replay possible: a session reopened elsewhere with the same
@@ -16,7 +16,7 @@ from grammar_svc.step.jump_forward import forced_tokens
 from shared.errors import InvalidRequestError
 
 
-class GrammarSession:
+class MatcherSession:
     __slots__ = ("session_id", "entry", "matcher", "num_accepted", "last_token", "last_used", "last_fill_seconds")
 
     def __init__(self, session_id: int, entry: CompiledEntry, *, terminate_without_stop_token: bool = False):

@@ -14,7 +14,7 @@ import time
 
 from grammar_svc.compile.cache import CompiledEntry
 from grammar_svc.metrics import GrammarMetrics
-from grammar_svc.step.session import GrammarSession
+from grammar_svc.step.session import MatcherSession
 from shared.errors import InvalidRequestError, LimitExceededError, NotFoundError
 
 
@@ -82,14 +82,14 @@ class StreamSessions:
     def __init__(self, limiter: SessionLimiter):
         self.limiter = limiter
         self.lock = threading.Lock()
-        self._sessions: dict[int, GrammarSession] = {}
+        self._sessions: dict[int, MatcherSession] = {}
         self._expired: set[int] = set()
         limiter.add_stream(self)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: int, entry: CompiledEntry, terminate_without_stop_token: bool) -> GrammarSession:
+    def open(self, session_id: int, entry: CompiledEntry, terminate_without_stop_token: bool) -> MatcherSession:
         if session_id in self._sessions:
             raise InvalidRequestError(f"session {session_id} is already open on this stream; close it before reusing the id")
         if len(self._sessions) >= self.limiter.max_sessions_per_stream:
@@ -99,7 +99,7 @@ class StreamSessions:
                 "(--max-sessions-per-stream); close finished sessions or open another stream")
         self.limiter.acquire()
         try:
-            session = GrammarSession(session_id, entry, terminate_without_stop_token=terminate_without_stop_token)
+            session = MatcherSession(session_id, entry, terminate_without_stop_token=terminate_without_stop_token)
         except BaseException:
             self.limiter.release()
             raise
@@ -120,7 +120,7 @@ class StreamSessions:
             total += s.last_fill_seconds if s is not None else new_session_seconds
         return total
 
-    def get(self, session_id: int) -> GrammarSession:
+    def get(self, session_id: int) -> MatcherSession:
         session = self._sessions.get(session_id)
         if session is None:
             if session_id in self._expired:

@@ -72,7 +72,7 @@ class StepOutcome:
 
 
 class Stepper:
-    def __init__(self, backend: GrammarBackend, sessions: StreamSessions, filler: MaskFiller,
+    def __init__(self, *, backend: GrammarBackend, sessions: StreamSessions, filler: MaskFiller,
                  metrics: GrammarMetrics, max_tokens_per_step: int):
         self.backend = backend
         self.sessions = sessions

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from inference_svc.api.tool_calls import ParsedToolCall, ToolSpec
+from inference_svc.api.tool_calls import ToolSpec
+from inference_svc.types import ParsedToolCall
 from shared.errors import InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "tool")

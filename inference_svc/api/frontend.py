@@ -13,15 +13,50 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from typing import Protocol
 
 from inference_svc.api.chat import NO_TEMPLATE, ChatMessage, ChatTemplate
-from inference_svc.engine.engine import Engine, Prompt
-from inference_svc.grammar.grammar_link import Constraint
 from inference_svc.api.model_family import ModelFamily
-from inference_svc.engine.request import GenerationRequest
-from inference_svc.engine.sampling import SamplingOptions
 from inference_svc.api.tool_calls import ToolCallParser, ToolChoice, ToolSpec, tool_call_structural_tag, validate_tools
+from inference_svc.config import EngineConfig
+from inference_svc.engine.engine import Prompt
+from inference_svc.engine.request import Output
+from inference_svc.engine.sampling import SamplingOptions
+from inference_svc.types import Constraint, SchemaWarning, ToolCallReader
 from shared import errors
+
+
+class SubmittedRequest(Protocol):
+    """A request the engine accepted, as the API layer reads it: its outputs, and its compile warnings
+    (known by its first output)."""
+
+    @property
+    def outputs(self) -> asyncio.Queue[Output]: ...
+
+    @property
+    def warnings(self) -> tuple[SchemaWarning, ...]: ...
+
+
+class ServingEngine(Protocol):
+    """The engine as the API layer talks to it, wherever it runs (vLLM's EngineClient protocol).
+
+    engine.Engine in this process; core.engine_client.EngineClient, which
+    forwards each call to the engine core process, with `--engine-process on`.
+    """
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
+                     jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> SubmittedRequest:
+        ...
+
+    def cancel(self, req: SubmittedRequest) -> None:
+        """The client went away (or its stream ended): the request's KV blocks and grammar session are freed."""
 
 
 @dataclass(frozen=True)
@@ -54,12 +89,12 @@ class ServingInfo:
 
 
 class Frontend:
-    def __init__(self, engine: Engine, template: ChatTemplate | None, family: ModelFamily | None):
+    def __init__(self, engine: ServingEngine, template: ChatTemplate | None, family: ModelFamily | None):
         self.engine = engine
         self.template = template
         self.family = family
 
-    async def submit(self, r: ClientRequest) -> GenerationRequest:
+    async def submit(self, r: ClientRequest) -> SubmittedRequest:
         given = [name for name, value in (("prompt", r.prompt), ("messages", r.messages),
                                           ("prompt_token_ids", r.prompt_token_ids)) if value]
         if len(given) != 1:
@@ -67,7 +102,7 @@ class Frontend:
                 f"give exactly one of prompt, messages and prompt_token_ids (got {' and '.join(given)})" if given
                 else "the prompt is empty: give exactly one of prompt, messages and prompt_token_ids")
         # Tools turn schemas into grammar text (cached, but a big schema takes a while): off the event loop.
-        spec, parser = await asyncio.to_thread(self._tools, r) if r.tools else (r.constraint, self._no_tools(r))
+        constraint, parser = await asyncio.to_thread(self._tools, r) if r.tools else (r.constraint, self._no_tools(r))
         if r.messages:
             if self.template is None or not self.template.available:
                 raise errors.InvalidRequestError(NO_TEMPLATE)
@@ -76,7 +111,7 @@ class Frontend:
             prompt = Prompt(text, templated=True)
         else:
             prompt = Prompt(r.prompt, tuple(r.prompt_token_ids))
-        return await self.engine.submit(prompt, r.options, spec, r.jump_forward, r.request_id,
+        return await self.engine.submit(prompt, r.options, constraint, r.jump_forward, r.request_id,
                                         reasoning=r.reasoning, max_thinking_tokens=r.max_thinking_tokens,
                                         tool_parser=parser)
 
@@ -96,5 +131,5 @@ class Frontend:
         choice = r.tool_choice or ToolChoice("auto")
         validate_tools(r.tools, choice)
         tag = tool_call_structural_tag(family, r.tools, choice, r.constraint)
-        spec = r.constraint if tag is None else Constraint("structural_tag", json.dumps(tag))
-        return spec, (None if choice.mode == "none" else ToolCallParser(family, [t.name for t in r.tools]))
+        constraint = r.constraint if tag is None else Constraint("structural_tag", json.dumps(tag))
+        return constraint, (None if choice.mode == "none" else ToolCallParser(family, [t.name for t in r.tools]))

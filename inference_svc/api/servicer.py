@@ -5,11 +5,10 @@ from __future__ import annotations
 from inference_svc.api.chat import ChatMessage
 from inference_svc.config import EngineConfig
 from inference_svc.api.frontend import ClientRequest, Frontend, ServingInfo
-from inference_svc.grammar.grammar_link import Constraint, JsonOptions
 from inference_svc.engine.request import FinishReason, Output
 from inference_svc.engine.sampling import SamplingOptions
-from inference_svc.grammar.schema_check import CheckResult, SchemaWarning
-from inference_svc.api.tool_calls import ParsedToolCall, ToolChoice, ToolSpec
+from inference_svc.api.tool_calls import ToolChoice, ToolSpec
+from inference_svc.types import CheckResult, Constraint, JsonOptions, ParsedToolCall, SchemaWarning
 from shared import errors
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
@@ -190,7 +189,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                     await abort(context, out.error)
                     return
                 # The grammar has compiled before the first output, so its warnings are known by now.
-                yield response(out, req.grammar.warnings if first and req.grammar is not None else ())
+                yield response(out, req.warnings if first else ())
                 first = False
                 if out.finish_reason is not None:
                     return

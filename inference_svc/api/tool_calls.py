@@ -20,8 +20,8 @@ import secrets
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from inference_svc.grammar.grammar_link import Constraint, JsonOptions
 from inference_svc.api.model_family import ModelFamily, ToolCallFormat
+from inference_svc.types import Constraint, JsonOptions, ParsedToolCall
 from shared.errors import InvalidGrammarError, InvalidRequestError
 from shared.xgrammar_messages import clean_message
 
@@ -66,13 +66,6 @@ class ToolSpec:
 class ToolChoice:
     mode: str = "auto"  # one of MODES
     name: str = ""  # mode "named": the tool to call
-
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    id: str  # "call_" + 24 hex digits
-    name: str
-    arguments_json: str  # the arguments object as compact JSON text
 
 
 def validate_tools(tools: Sequence[ToolSpec], choice: ToolChoice) -> None:

@@ -157,7 +157,7 @@ class ServedModel:
 class EngineAssembly:
     """Builds, starts and stops one engine with its runner and grammar tier (in whichever process runs it)."""
 
-    def __init__(self, config: InferenceServiceConfig, metrics: InferenceMetrics, rank: RankInfo | None = None,
+    def __init__(self, config: InferenceServiceConfig, metrics: InferenceMetrics, *, rank: RankInfo | None = None,
                  source: ModelSource | None = None,
                  on_fatal: Callable[[BaseException | None], None] | None = None):
         self.config = config
@@ -189,8 +189,8 @@ class EngineAssembly:
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)
-        self.engine = Engine(runner, view, self.grammar, c.engine, self.metrics, max_model_len,
-                             on_fatal=self.on_fatal)
+        self.engine = Engine(runner=runner, tokenizer=view, grammar=self.grammar, config=c.engine,
+                             metrics=self.metrics, max_model_len=max_model_len, on_fatal=self.on_fatal)
         self.served = ServedModel(info, self.engine.max_model_len, len(view.token_bytes))
         return self.served
 

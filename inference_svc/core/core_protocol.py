@@ -28,9 +28,8 @@ import struct
 from dataclasses import dataclass
 
 from inference_svc.engine.engine import Prompt
-from inference_svc.grammar.grammar_link import Constraint
 from inference_svc.engine.sampling import SamplingOptions
-from inference_svc.api.tool_calls import ToolCallParser
+from inference_svc.types import Constraint, ToolCallReader
 
 START, SUBMIT, CANCEL, DRAIN, CLOSE = "start", "submit", "cancel", "drain", "close"
 READY, START_FAILED, SUBMITTED = "ready", "start_failed", "submitted"
@@ -51,12 +50,12 @@ class EngineSubmit:
 
     prompt: Prompt
     options: SamplingOptions
-    spec: Constraint | None
+    constraint: Constraint | None
     jump_forward: bool
     request_id: str
     reasoning: bool | None
     max_thinking_tokens: int
-    tool_parser: ToolCallParser | None
+    tool_parser: ToolCallReader | None
 
 
 def encode(message: tuple) -> bytes:

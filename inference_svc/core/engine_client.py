@@ -1,7 +1,8 @@
 """The engine as the API server sees it when the engine runs in its own process (`--engine-process on`).
 
 `EngineClient` has the face of `Engine` that the Frontend and the servicer
-use (submit, cancel, drain, close, config, max_model_len) and forwards each
+use (api/frontend.py's `ServingEngine`: submit, cancel, config,
+max_model_len; and drain and close for the server) and forwards each
 call to the engine core process it started (engine_core.py) over
 core_protocol.py's socket. A request comes back as a `RemoteRequest` whose
 `outputs` queue the reader task fills from the core's OUTPUTS frames, one
@@ -25,11 +26,11 @@ from inference_svc.core import core_protocol as p
 from inference_svc.config import InferenceServiceConfig
 from inference_svc.engine.engine import ENGINE_STOPPED, Prompt
 from inference_svc.core.assembly import ServedModel
-from inference_svc.grammar.grammar_link import Constraint
 from inference_svc.model.model_loading import ModelSource
 from inference_svc.engine.request import Output
 from inference_svc.engine.sampling import SamplingOptions
 from inference_svc.model.tensor_parallel import RankInfo
+from inference_svc.types import Constraint, SchemaWarning, ToolCallReader
 from shared import errors
 
 log = logging.getLogger(__name__)
@@ -39,26 +40,21 @@ CLOSE_TIMEOUT_SECONDS = 30.0
 STACK_DUMP_SECONDS = 0.5
 
 
-class _Warnings:
-    """A constrained request's compile warnings, known with its first output (Generate sends them then)."""
-
-    warnings: tuple = ()
-
-
 class RemoteRequest:
     """A request running in the engine core, as a Generate handler sees it."""
 
-    def __init__(self, key: int, request_id: str, constrained: bool):
+    def __init__(self, key: int, request_id: str):
         self.key = key
         self.request_id = request_id
         self.outputs: asyncio.Queue[Output] = asyncio.Queue()
-        self.grammar = _Warnings() if constrained else None
+        # A constrained request's compile warnings, known with its first output (Generate sends them then).
+        self.warnings: tuple[SchemaWarning, ...] = ()
         self.finished = False
         self.cancelled = False
 
 
 class EngineClient:
-    def __init__(self, config: InferenceServiceConfig, rank: RankInfo | None, source: ModelSource,
+    def __init__(self, config: InferenceServiceConfig, *, rank: RankInfo | None, source: ModelSource,
                  on_fatal: Callable[[BaseException | None], None] | None = None):
         self.service_config = config
         self.config = config.engine
@@ -151,20 +147,20 @@ class EngineClient:
 
     # --- requests ------------------------------------------------------------
 
-    async def submit(self, prompt: Prompt | str, options: SamplingOptions, spec: Constraint | None = None,
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
-                     max_thinking_tokens: int = 0, tool_parser=None) -> RemoteRequest:
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> RemoteRequest:
         """As Engine.submit: the core validates and enqueues; its refusal is raised here."""
         if self.dead:
             raise errors.UnavailableError(ENGINE_STOPPED)
         if isinstance(prompt, str):
             prompt = Prompt(prompt)
         key = next(self._keys)
-        req = RemoteRequest(key, request_id, spec is not None)
+        req = RemoteRequest(key, request_id)
         accepted = asyncio.get_running_loop().create_future()
         self._submits[key] = accepted
         self._requests[key] = req
-        p.send(self._writer, (p.SUBMIT, key, p.EngineSubmit(prompt, options, spec, jump_forward, request_id,
+        p.send(self._writer, (p.SUBMIT, key, p.EngineSubmit(prompt, options, constraint, jump_forward, request_id,
                                                             reasoning, max_thinking_tokens, tool_parser)))
         try:
             error = await accepted
@@ -216,8 +212,8 @@ class EngineClient:
             req = self._requests.get(key)
             if req is None:
                 continue
-            if warnings is not None and req.grammar is not None:
-                req.grammar.warnings = warnings
+            if warnings is not None:
+                req.warnings = warnings
             if output.finish_reason is not None or output.error is not None:
                 req.finished = True
                 del self._requests[key]

@@ -64,7 +64,7 @@ class _Outputs:
         warnings = None
         if self.first:
             self.first = False
-            warnings = self.req.grammar.warnings if self.req.grammar is not None else ()
+            warnings = self.req.warnings
         if output.error is not None:
             output.error = portable(output.error)
         self.core.queue_output(self.key, output, warnings)
@@ -129,7 +129,7 @@ class EngineCore:
 
     async def _submit(self, key: int, s: p.EngineSubmit) -> None:
         try:
-            req = await self.engine.submit(s.prompt, s.options, s.spec, s.jump_forward, s.request_id,
+            req = await self.engine.submit(s.prompt, s.options, s.constraint, s.jump_forward, s.request_id,
                                            reasoning=s.reasoning, max_thinking_tokens=s.max_thinking_tokens,
                                            tool_parser=s.tool_parser)
         except Exception as e:  # noqa: BLE001 - the request's (its input, or the engine refusing it): its client hears
@@ -175,7 +175,7 @@ async def serve(sock: socket.socket) -> int:
     setup_logging(config.log_level)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see engine_stack.py
     metrics = InferenceMetrics()
-    core = EngineCore(writer, EngineAssembly(config, metrics, rank, source))
+    core = EngineCore(writer, EngineAssembly(config, metrics, rank=rank, source=source))
     core.stack.on_fatal = core.engine_died
     metrics_http = None
     try:

@@ -63,17 +63,18 @@ import numpy as np
 import torch
 
 from inference_svc.config import EngineConfig
-from inference_svc.grammar.grammar_link import NO_REPLICA, Constraint, GrammarSession
+from inference_svc.grammar.grammar_link import NO_REPLICA, GrammarLink
 from inference_svc.grammar.grammar_tier import GrammarRow, GrammarTier, PendingStep, RowOutcome, RowResult
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_runner import ModelRunner
 from inference_svc.engine.request import FinishReason, GenerationRequest, Output, Phase, Thinking
 from inference_svc.engine.response_text import Piece, ResponseText
 from inference_svc.engine.sampling import RowLogprobs, RowSampler, SamplingOptions, TokenLogprob, TopLogprob
-from inference_svc.grammar.schema_check import FinalChecks, wants_check
+from inference_svc.engine.schema_check import FinalChecks, wants_check
 from inference_svc.engine.scheduler import ScheduledStep, Scheduler
 from inference_svc.model.head.sparse_head import disallowed_ids, head_plan
 from inference_svc.engine.step_sampler import Drawn, RowPlan, StepSampler
+from inference_svc.types import Constraint, ToolCallReader
 from shared import errors
 from shared.codec import words_for_vocab
 
@@ -111,7 +112,7 @@ class Prompt:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: TokenizerView, grammar: GrammarTier | None,
+    def __init__(self, *, runner: ModelRunner, tokenizer: TokenizerView, grammar: GrammarTier | None,
                  config: EngineConfig, metrics: InferenceMetrics, max_model_len: int,
                  on_fatal: Callable[[BaseException | None], None] | None = None):
         self.runner = runner
@@ -212,9 +213,9 @@ class Engine:
 
     # --- requests ------------------------------------------------------------
 
-    async def submit(self, prompt: Prompt | str, options: SamplingOptions, spec: Constraint | None = None,
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
-                     max_thinking_tokens: int = 0, tool_parser=None) -> GenerationRequest:
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> GenerationRequest:
         """Validates and enqueues a request; its outputs arrive on `request.outputs`.
 
         A text prompt is measured in bytes before it is tokenized, and tokenized
@@ -226,7 +227,7 @@ class Engine:
         self._check_accepting()
         if isinstance(prompt, str):
             prompt = Prompt(prompt)
-        if spec is not None and self.grammar is None:
+        if constraint is not None and self.grammar is None:
             raise errors.UnavailableError("constrained generation needs a grammar tier (--grammar-target)")
         if max_thinking_tokens < 0:
             raise errors.InvalidRequestError(f"max_thinking_tokens must be >= 0 (0 = no budget), got {max_thinking_tokens}")
@@ -253,10 +254,10 @@ class Engine:
             text=ResponseText(self.tok.token_bytes, self.tok.special_ids, options.stop,
                               think_end_id=thinking.end_id if thinking is not None else None,
                               tool_parser=tool_parser),
-            grammar=GrammarSession(spec, jump_forward) if spec is not None else None,
+            grammar=GrammarLink(constraint, jump_forward) if constraint is not None else None,
             thinking=thinking,
         )
-        if spec is None:
+        if constraint is None:
             self.scheduler.add(req)
             self._wake.set()
         else:

@@ -19,15 +19,11 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from inference_svc.grammar.grammar_link import GrammarSession
 from inference_svc.engine.response_text import ResponseText
-from inference_svc.grammar.schema_check import SchemaCheck
 from inference_svc.engine.sampling import RowSampler, SamplingOptions, TokenLogprob
-
-if TYPE_CHECKING:
-    from inference_svc.api.tool_calls import ParsedToolCall
+from inference_svc.grammar.grammar_link import GrammarLink
+from inference_svc.types import ParsedToolCall, SchemaCheck, SchemaWarning
 
 # Process-wide, so ids never repeat across engines in one process (tests run several).
 _seq_ids = itertools.count(1)
@@ -105,7 +101,7 @@ class GenerationRequest:
     options: SamplingOptions
     sampler: RowSampler
     text: ResponseText
-    grammar: GrammarSession | None = None  # None: unconstrained
+    grammar: GrammarLink | None = None  # None: unconstrained
     thinking: Thinking | None = None  # None: the request does not think (or the model cannot)
     arrival: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
@@ -128,6 +124,11 @@ class GenerationRequest:
     @property
     def constrained(self) -> bool:
         return self.grammar is not None
+
+    @property
+    def warnings(self) -> tuple[SchemaWarning, ...]:
+        """What the grammar does not enforce of the request's schema (known once it has compiled)."""
+        return self.grammar.warnings if self.grammar is not None else ()
 
     @property
     def grammar_active(self) -> bool:

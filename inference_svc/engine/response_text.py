@@ -15,12 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
 from inference_svc.engine.text_stream import TextStream
-
-if TYPE_CHECKING:
-    from inference_svc.api.tool_calls import ParsedToolCall, ToolCallParser
+from inference_svc.types import ParsedToolCall, ToolCallReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +37,7 @@ class ResponseText:
     """One response's text channels: push each step's token ids, send each returned piece."""
 
     def __init__(self, token_bytes: Sequence[bytes], skip_token_ids: Collection[int], stop: Sequence[str], *,
-                 think_end_id: int | None = None, tool_parser: ToolCallParser | None = None):
+                 think_end_id: int | None = None, tool_parser: ToolCallReader | None = None):
         self._answer = TextStream(token_bytes, skip_token_ids, stop)
         # None once thinking is over (or when the request never thinks).
         self._thinking = TextStream(token_bytes, skip_token_ids, ()) if think_end_id is not None else None

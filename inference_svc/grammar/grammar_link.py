@@ -12,53 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inference_svc.grammar.schema_check import SchemaWarning
+from inference_svc.types import Constraint, SchemaWarning
 
 NO_REPLICA = -1
-KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag")
-
-
-WHITESPACE_STYLES = ("compact", "flexible", "indented")
-
-
-@dataclass(frozen=True)
-class JsonOptions:
-    """How a JSON constraint lays out and bounds its output (the grammar tier checks the ranges).
-
-    The defaults are the grammar tier's: compact separators, no free
-    whitespace, schema key order, strict; those finish with weak models.
-    """
-
-    whitespace: str = "compact"  # one of WHITESPACE_STYLES
-    max_whitespace_count: int = 0  # flexible: longest whitespace run (0: the grammar tier's default)
-    indent: int = 0  # indented: spaces per level (0: the grammar tier's default)
-    lenient: bool = False  # allow what the schema does not forbid explicitly (not OpenAI strict)
-    any_key_order: bool = False
-
-    def __post_init__(self) -> None:
-        if self.whitespace not in WHITESPACE_STYLES:
-            raise ValueError(f"unknown whitespace style {self.whitespace!r}")
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a request is constrained by, as the engine keeps it (grammar_tier.py turns it into grammar.v1)."""
-
-    kind: str  # one of KINDS
-    text: str = ""  # the schema, pattern, grammar or structural tag (JSON text)
-    choices: tuple[str, ...] = ()  # kind "choice"
-    json_options: JsonOptions = JsonOptions()  # kinds json_schema and json_object
-    # json_schema: refuse a schema whose keywords the grammar does not all enforce (compile warnings).
-    strict_schema: bool = False
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown constraint kind {self.kind!r}")
 
 
 @dataclass(eq=False)
-class GrammarSession:
-    spec: Constraint
+class GrammarLink:
+    constraint: Constraint
     jump_forward: bool = True
     grammar_id: str = ""
     replica: int = NO_REPLICA  # NO_REPLICA while compiling (or recompiling after a lost replica)

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from inference_svc.grammar.grammar_link import Constraint, GrammarSession, JsonOptions
-from inference_svc.grammar.schema_check import CheckResult, SchemaCheck, SchemaViolation, SchemaWarning, strict_refusal
+from inference_svc.grammar.grammar_link import GrammarLink
+from inference_svc.types import CheckResult, Constraint, JsonOptions, SchemaCheck, SchemaViolation, SchemaWarning
 from shared import errors
 from shared.codec import SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
@@ -130,11 +130,11 @@ class _Replica:
         self.registered = False
         self.compiled.clear()
 
-    def remember(self, spec: Constraint, grammar_id: str, warnings: tuple[SchemaWarning, ...]) -> None:
-        if len(spec.text) + sum(map(len, spec.choices)) > COMPILED_MEMO_MAX_SPEC_CHARS:
+    def remember(self, constraint: Constraint, grammar_id: str, warnings: tuple[SchemaWarning, ...]) -> None:
+        if len(constraint.text) + sum(map(len, constraint.choices)) > COMPILED_MEMO_MAX_SPEC_CHARS:
             return
-        self.compiled[spec] = (grammar_id, warnings)
-        self.compiled.move_to_end(spec)
+        self.compiled[constraint] = (grammar_id, warnings)
+        self.compiled.move_to_end(constraint)
         while len(self.compiled) > COMPILED_MEMO_ENTRIES:
             self.compiled.popitem(last=False)
 
@@ -143,7 +143,7 @@ class _Replica:
 class GrammarRow:
     """One session's part of a step; row is its bitmask row."""
 
-    session: GrammarSession
+    link: GrammarLink
     row: int
 
 
@@ -246,6 +246,16 @@ def json_options(o: JsonOptions) -> gpb.JsonSchemaOptions:
     return gpb.JsonSchemaOptions(whitespace=_WHITESPACE[o.whitespace], indent=o.indent,
                                  max_whitespace_count=o.max_whitespace_count, any_key_order=o.any_key_order,
                                  lenient=o.lenient)
+
+
+def strict_refusal(warnings: tuple[SchemaWarning, ...]) -> errors.InvalidGrammarError:
+    """The error for a strict_schema request whose schema the grammar cannot enforce whole."""
+    named = "; ".join(f"{w.keyword} at {w.json_pointer or 'the root'}" if w.json_pointer else w.message
+                      for w in warnings)
+    return errors.InvalidGrammarError(
+        f"constraint.strict_schema: the grammar does not enforce {len(warnings)} part(s) of this schema: {named}. "
+        "Remove or rewrite them, or drop strict_schema to generate anyway (every finished output is then "
+        "checked and its violations returned)")
 
 
 def grammar_spec(c: Constraint) -> gpb.GrammarSpec:
@@ -394,7 +404,7 @@ class GrammarTier:
         candidates = [r for r in live if r.registered] or live
         return min(candidates, key=lambda r: (r.sessions, r.id)) if candidates else None
 
-    async def compile(self, session: GrammarSession) -> None:
+    async def compile(self, link: GrammarLink) -> None:
         """Compiles the session's constraint on the least-loaded registered replica and places the session
         there (opened with the next step). A replica that answers UNAVAILABLE (or forgot the tokenizer) is
         marked unregistered and the compile is tried once more on another one."""
@@ -409,14 +419,14 @@ class GrammarTier:
             r.sessions += 1
             placed = False
             try:
-                known = r.compiled.get(session.spec) if r.registered and not session.replays else None
+                known = r.compiled.get(link.constraint) if r.registered and not link.replays else None
                 if known is not None:
-                    r.compiled.move_to_end(session.spec)
-                    grammar_id, session.warnings = known
+                    r.compiled.move_to_end(link.constraint)
+                    grammar_id, link.warnings = known
                 else:
-                    grammar_id, session.warnings = await self._compile_on(r, session.spec)
-                if session.spec.strict_schema and session.warnings:
-                    raise strict_refusal(session.warnings)
+                    grammar_id, link.warnings = await self._compile_on(r, link.constraint)
+                if link.constraint.strict_schema and link.warnings:
+                    raise strict_refusal(link.warnings)
                 placed = True
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _RETRY_ELSEWHERE:
@@ -433,21 +443,22 @@ class GrammarTier:
                     r.sessions -= 1
                     self._forget_if_unused(r)
             break
-        session.placed_on(r.id, grammar_id, self.new_session_id())
+        link.placed_on(r.id, grammar_id, self.new_session_id())
 
-    async def _compile_on(self, r: _Replica, spec: Constraint) -> tuple[str, tuple[SchemaWarning, ...]]:
+    async def _compile_on(self, r: _Replica, constraint: Constraint) -> tuple[str, tuple[SchemaWarning, ...]]:
         """(grammar id, warnings) from a Compile RPC to `r` (remembered there)."""
         if not r.registered:
             await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
             r.registered = True
-        resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(spec), self.compile_timeout_seconds)
+        resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint),
+                                      self.compile_timeout_seconds)
         for w in resp.warnings:
             log.info("grammar %s: %s", resp.grammar_id[:12], w)
         warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
-        r.remember(spec, resp.grammar_id, warnings)
+        r.remember(constraint, resp.grammar_id, warnings)
         return resp.grammar_id, warnings
 
-    async def check_output(self, replica: int, spec: Constraint, grammar_id: str, token_ids: list[int],
+    async def check_output(self, replica: int, constraint: Constraint, grammar_id: str, token_ids: list[int],
                            timeout: float) -> SchemaCheck:
         """A finished document checked against its schema, on the replica that ran it (another live one when
         it is gone, compiling the grammar there first). Never raises for the tier's failures: the check is
@@ -472,8 +483,8 @@ class GrammarTier:
                         f"grammar replica {r.client.target} could not check it: {e.code().name}: {e.details()}"))
             try:
                 # Evicted (or never compiled on this replica): the same grammar id again, usually at once.
-                await r.client.compile(self.tokenizer.fingerprint, grammar_spec(spec), self.compile_timeout_seconds,
-                                       rpc_timeout=max(0.001, deadline - time.monotonic()))
+                await r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint),
+                                       self.compile_timeout_seconds, rpc_timeout=max(0.001, deadline - time.monotonic()))
             except grpc.aio.AioRpcError as e:  # the replica's, or the deadline's
                 return SchemaCheck(CheckResult.UNCHECKED, detail=(
                     f"grammar replica {r.client.target} could not recompile the grammar to check it: "
@@ -485,16 +496,16 @@ class GrammarTier:
         return SchemaCheck(CheckResult.INVALID, violations,
                            f"{left_out} more violation(s) not listed" if left_out > 0 else "")
 
-    def release(self, session: GrammarSession) -> None:
+    def release(self, link: GrammarLink) -> None:
         """A request is done with its replica (finished, or its session is to be rebuilt elsewhere):
         its open session is closed with the next step."""
-        r = self._replicas.get(session.replica)
+        r = self._replicas.get(link.replica)
         if r is not None:
             r.sessions = max(0, r.sessions - 1)
-            if session.open and r.stream is not None:
-                r.pending_closes.append(session.session_id)
+            if link.open and r.stream is not None:
+                r.pending_closes.append(link.session_id)
             self._forget_if_unused(r)
-        session.released()
+        link.released()
 
     def has_pending_closes(self) -> bool:
         return any(r.pending_closes for r in self._replicas.values())
@@ -510,7 +521,7 @@ class GrammarTier:
         """
         parts: dict[int, _Exchange] = {}
         for i, row in enumerate(rows):
-            s = row.session
+            s = row.link
             step = gpb.SessionStep(session_id=s.session_id, accept_token_ids=s.pending_accept,
                                    jump_forward=s.jump_forward and bool(s.pending_accept))
             if not s.open:

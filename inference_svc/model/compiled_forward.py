@@ -58,18 +58,6 @@ def default_compile_cache_dir() -> Path:
     return Path(base) / "structd" / "inductor"
 
 
-def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two up to max_tokens, and max_tokens itself: a step pads to at most twice its tokens."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-    sizes, n = [], 1
-    while n < max_tokens:
-        sizes.append(n)
-        n *= 2
-    sizes.append(max_tokens)
-    return tuple(sizes)
-
-
 def inductor_mode(mode: str, device: torch.device) -> str | None:
     """torch.compile's mode for a --compile value: CUDA graphs on CUDA only (a CPU has none to capture)."""
     if mode not in COMPILE_MODES or mode == "off":

@@ -107,7 +107,7 @@ class LmHead:
     int64) alone, when `exact_columns`; `rows_independent`: a row's logits are the same whichever rows are
     computed with it (so some rows of a step may get the full head and the others columns only)."""
 
-    def __init__(self, kernel, exact_columns: bool, rows_independent: bool = False,
+    def __init__(self, kernel, *, exact_columns: bool, rows_independent: bool = False,
                  screen: GreedyScreen | None = None):
         self.kernel = kernel
         self.exact_columns = exact_columns

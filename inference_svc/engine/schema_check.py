@@ -1,5 +1,4 @@
-"""What a client is told about its JSON output and its schema: the keywords the grammar does not enforce
-(at compile time), and whether the finished document validates (with the last response).
+"""Whether a finished JSON document validates against its schema: the last response waits for the check.
 
 The grammar tier compiles a schema into a grammar that may be looser than
 the schema (keywords xgrammar ignores or approximates: compile warnings), so
@@ -7,68 +6,31 @@ a finished document is checked against the schema itself. The check runs on
 the grammar tier (CheckOutput, in its worker processes); the last response
 of the request waits for it, at most --schema-check-timeout-seconds, and
 says UNCHECKED, with why, when it could not be had: a client is never left
-to assume that an output it was not told about is valid.
+to assume that an output it was not told about is valid. (What the grammar
+does not enforce, the compile warnings, is told with the first response;
+a strict_schema request is refused for them: grammar_tier.py.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared import errors
+from inference_svc.types import CheckResult, SchemaCheck
 
 if TYPE_CHECKING:
+    from inference_svc.engine.request import GenerationRequest, Output
     from inference_svc.grammar.grammar_tier import GrammarTier
     from inference_svc.metrics import InferenceMetrics
-    from inference_svc.engine.request import GenerationRequest, Output
 
 log = logging.getLogger(__name__)
 
 
-class CheckResult(enum.Enum):
-    VALID = "valid"
-    INVALID = "invalid"
-    UNCHECKED = "unchecked"  # the check could not be had: `detail` says why
-
-
-@dataclass(frozen=True)
-class SchemaWarning:
-    keyword: str
-    json_pointer: str  # "" = the root, or no place known
-    message: str
-
-
-@dataclass(frozen=True)
-class SchemaViolation:
-    keyword: str  # "json": not one JSON document
-    instance_pointer: str
-    message: str
-
-
-@dataclass(frozen=True)
-class SchemaCheck:
-    result: CheckResult
-    violations: tuple[SchemaViolation, ...] = ()
-    detail: str = ""  # UNCHECKED: why; INVALID: how many violations were left out, if any
-
-
-def strict_refusal(warnings: tuple[SchemaWarning, ...]) -> errors.InvalidGrammarError:
-    """The error for a strict_schema request whose schema the grammar cannot enforce whole."""
-    named = "; ".join(f"{w.keyword} at {w.json_pointer or 'the root'}" if w.json_pointer else w.message
-                      for w in warnings)
-    return errors.InvalidGrammarError(
-        f"constraint.strict_schema: the grammar does not enforce {len(warnings)} part(s) of this schema: {named}. "
-        "Remove or rewrite them, or drop strict_schema to generate anyway (every finished output is then "
-        "checked and its violations returned)")
-
-
 def wants_check(req: "GenerationRequest") -> bool:
     """A json_schema request whose document is complete (finished by its grammar or end of sequence)."""
-    return req.grammar is not None and req.grammar.spec.kind == "json_schema"
+    return req.grammar is not None and req.grammar.constraint.kind == "json_schema"
 
 
 class FinalChecks:
@@ -89,7 +51,7 @@ class FinalChecks:
     async def _run(self, req: "GenerationRequest", output: "Output", replica: int, grammar_id: str,
                    ids: list[int]) -> None:
         try:
-            check = await self.tier.check_output(replica, req.grammar.spec, grammar_id, ids, self.timeout_seconds)
+            check = await self.tier.check_output(replica, req.grammar.constraint, grammar_id, ids, self.timeout_seconds)
         except asyncio.CancelledError:  # the engine is closing: the output still goes out, told it is unchecked
             req.outputs.put_nowait(dataclasses.replace(output, schema_check=SchemaCheck(
                 CheckResult.UNCHECKED, detail="the inference service stopped before the check finished")))
