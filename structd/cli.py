@@ -42,8 +42,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _bench_command(module: str):
     def run(args: argparse.Namespace) -> int:
+        from structd.bench import harness
+
         setup_logging(args.log_level)
-        return importlib.import_module(module).run_bench(args)
+        return harness.run(importlib.import_module(module), args)
 
     return run
 
@@ -76,7 +78,7 @@ def _add_up(sub, env: dict[str, str]) -> None:
     p.set_defaults(func=_cmd_up)
 
 
-# (name, module with add_arguments and run_bench, help, description)
+# (name, its module: a structd.bench.harness.Benchmark, help, description)
 BENCHMARKS = [
     ("grammar", "structd.bench.grammar.run", "grammar service: fill time, step round trip, wire bytes, compile time",
      None),
@@ -122,11 +124,13 @@ BENCHMARKS = [
 
 
 def _add_bench(sub) -> None:
+    from structd.bench import harness
+
     bench = sub.add_parser("bench", help="benchmarks (write JSON and a PNG plot)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, module, help_text, description in BENCHMARKS:
         p = bsub.add_parser(name, help=help_text, **({"description": description} if description else {}))
-        importlib.import_module(module).add_arguments(p)
+        harness.add_arguments(p, importlib.import_module(module), name)
         p.add_argument("--log-level", default="WARNING")
         p.set_defaults(func=_bench_command(module))
 

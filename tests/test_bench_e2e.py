@@ -12,24 +12,26 @@ import json
 
 import pytest
 
+from structd.bench import harness
 from structd.bench.e2e import report as bench_e2e_report
 from structd.bench.e2e import run as bench_e2e
+from structd.bench.harness import metrics
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench_e2e.add_arguments(parser)
+    harness.add_arguments(parser, bench_e2e, "e2e")
     return parser.parse_args(["--out", str(tmp_path), "--in-process", "--runners", "sim2", "--concurrency", "1,3",
                               "--max-tokens", "6", "--requests", "3", "--waves", "1", "--no-peers", *extra])
 
 
 def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
-    assert bench_e2e.run_bench(_args(tmp_path)) == 0
+    assert harness.run(bench_e2e, _args(tmp_path)) == 0
     result = json.loads((tmp_path / "e2e-bench.json").read_text())
     png = tmp_path / "e2e-bench.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    assert result["machine"]["torch_threads"] >= 1 and result["machine"]["versions"]["torch"]
+    assert result["torch_threads"] >= 1 and result["machine"]["versions"]["torch"]
     kinds = [(p["kind"], p["concurrency"], p["jump_forward"]) for p in result["phases"]]
     assert kinds == [("constrained", 1, True), ("unconstrained", 1, True), ("constrained", 3, True),
                      ("unconstrained", 3, True), ("constrained", 3, False), ("mixed", 3, True)]
@@ -81,7 +83,7 @@ def test_smallest_run_writes_plausible_json_png_and_tables(tmp_path, capsys):
 
 def test_grammar_replica_sweep_runs_each_count_and_spreads_the_steps(tmp_path, capsys):
     """--grammar-replicas 1,2: every runner once per count, keyed apart; with two replicas both answer steps."""
-    assert bench_e2e.run_bench(_args(tmp_path, "--grammar-replicas", "1,2", "--concurrency", "4",
+    assert harness.run(bench_e2e, _args(tmp_path, "--grammar-replicas", "1,2", "--concurrency", "4",
                                      "--requests", "4", "--no-mixed", "--no-jump-forward-phase")) == 0
     result = json.loads((tmp_path / "e2e-bench.json").read_text())
     assert [(p["runner"], p["grammar_replicas"], p["kind"]) for p in result["phases"]] == [
@@ -103,17 +105,17 @@ def test_grammar_replica_sweep_runs_each_count_and_spreads_the_steps(tmp_path, c
 
 def test_histogram_quantile_follows_prometheus():
     h = {"buckets": [(0.001, 2.0), (0.005, 6.0), (0.01, 10.0), (float("inf"), 10.0)], "sum": 0.04, "count": 10.0}
-    assert bench_e2e_report.histogram_quantile(h, 0.5) == pytest.approx(0.004)
-    assert bench_e2e_report.histogram_quantile(h, 0.1) == pytest.approx(0.0005)
-    assert bench_e2e_report.share_above(h, 0.005) == pytest.approx(0.4)
+    assert metrics.histogram_quantile(h, 0.5) == pytest.approx(0.004)
+    assert metrics.histogram_quantile(h, 0.1) == pytest.approx(0.0005)
+    assert metrics.share_above(h, 0.005) == pytest.approx(0.4)
     empty = {"buckets": [], "sum": 0.0, "count": 0.0}
-    assert bench_e2e_report.histogram_quantile(empty, 0.5) is None
+    assert metrics.histogram_quantile(empty, 0.5) is None
 
 
 def test_metric_deltas_from_prometheus_text():
-    before = bench_e2e_report.parse_metrics(
+    before = metrics.parse_metrics(
         "# TYPE inference_svc_forced_tokens_total counter\ninference_svc_forced_tokens_total 3.0\n")
-    after = bench_e2e_report.parse_metrics(
+    after = metrics.parse_metrics(
         "# TYPE inference_svc_forced_tokens_total counter\ninference_svc_forced_tokens_total 10.0\n"
         "# TYPE inference_svc_forward_duration_seconds histogram\n"
         'inference_svc_forward_duration_seconds_bucket{le="0.005"} 1.0\n'

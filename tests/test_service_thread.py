@@ -43,6 +43,6 @@ def test_a_server_that_does_not_start_in_time_says_where_it_waits():
     # It would wait ten minutes for a grammar replica: the starter gives up first, and names the await it
     # gave up on (loading the model, or waiting for the grammar tier), down to the innermost coroutine.
     with pytest.raises(TimeoutError, match=r"slow-start did not start within 15 s; its start\(\) waits at "
-                                           r"server\.py:\d+ in start -> engine_stack\.py:\d+ in (build|connect) -> "):
+                                           r"server\.py:\d+ in start -> assembly\.py:\d+ in (build|connect) -> "):
         ServiceThread(InferenceServer(cfg), "slow-start", start_timeout=15.0, grammar_connect_timeout=600.0)
     assert not any(t.name == "slow-start" for t in threading.enumerate()), "the server's loop thread is still running"

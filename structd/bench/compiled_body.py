@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import progress, write_result
+from structd.bench.harness import UsageError, progress, pyplot, save_figure
 
 CONTEXT = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/compiled-body"))
     p.add_argument("--modes", default="default", help="compile modes, comma-separated ('': eager only)")
     p.add_argument("--buckets", default="1,8,32,128", help="token buckets compiled, comma-separated")
     p.add_argument("--reps", type=int, default=40, help="timed calls per step and variant")
@@ -99,47 +97,42 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, png: Path) -> None:
+    rows = result["steps"]
     modes = list(rows[0]["median_ms"])
     width = 0.8 / len(modes)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = pyplot().subplots(figsize=(8, 3.5))
     for k, mode in enumerate(modes):
         ax.bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(rows))],
                [r["median_ms"][mode] for r in rows], width=width, label=mode)
     ax.set_xticks(range(len(rows)), [r["step"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("median ms per forward")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
-def run_bench(args) -> int:
-    from structd.bench.grammar.report import machine
+def result_name(args) -> str:
+    return "compiled-body"
 
+
+def run(args) -> dict:
     if args.reps < 1:
-        print("--reps must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError("--reps must be at least 1")
     try:
         [int(b) for b in args.buckets.split(",")]
     except ValueError:  # the user's --buckets
-        print(f"--buckets must be comma-separated token counts, got {args.buckets!r}", file=sys.stderr)
-        return 2
-    started = time.time()
+        raise UsageError(f"--buckets must be comma-separated token counts, got {args.buckets!r}") from None
     progress(f"threads {args.threads}, head {'16' if args.small_head else '129,280'} wide, "
              f"variants eager{''.join(',' + m for m in args.modes.split(',') if m)}")
-    rows = measure(args)
-    write_result(args, machine(), started, "compiled-body", steps=rows)
-    plot(rows, args.out / "compiled-body.png")
+    return {"steps": measure(args)}
+
+
+def markdown(result: dict) -> str:
+    rows = result["steps"]
     modes = list(rows[0]["median_ms"])
-    print("| step | " + " | ".join(f"{m} ms (eager/{m})" for m in modes) + " | greedy equal |")
-    print("|---|" + "---|" * len(modes) + "---|")
+    lines = ["| step | " + " | ".join(f"{m} ms (eager/{m})" for m in modes) + " | greedy equal |",
+             "|---|" + "---|" * len(modes) + "---|"]
     for r in rows:
         cells = " | ".join(f"{r['median_ms'][m]:.2f} ({r['eager_over'][m]:.2f}x)" for m in modes)
-        print(f"| {r['step']} | {cells} | {all(r['greedy_equal'].values())} |")
-    return 0
+        lines.append(f"| {r['step']} | {cells} | {all(r['greedy_equal'].values())} |")
+    return "\n".join(lines)

@@ -23,18 +23,16 @@ import json
 import os
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import ChildService, progress, result_header
+from structd.bench.harness import UsageError, grammar_and_inference, progress, pyplot, save_figure
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 FAULTS = {"none": None, "sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/faults"))
     p.add_argument("--faults", default="none,sigkill,sigstop", help="scenarios, comma-separated: none, sigkill, sigstop")
     p.add_argument("--requests", type=int, default=8, help="concurrent constrained requests per scenario")
     p.add_argument("--simulate-step-ms", type=float, default=10.0)
@@ -72,15 +70,10 @@ async def _requests(target: str, n: int, timeout: float) -> list[dict]:
 
 def run_scenario(name: str, args: argparse.Namespace, logs: Path) -> dict:
     fault = FAULTS[name]
-    replicas = [ChildService(["grammar", "--compile-workers", "1"], logs / f"{name}-grammar{i}.log") for i in range(2)]
-    inference = None
-    try:
-        inference = ChildService(
-            ["inference", "--grammar-target", ",".join(r.target for r in replicas),
-             "--simulate-step-ms", str(args.simulate_step_ms),
-             "--grammar-step-timeout-seconds", str(args.grammar_step_timeout_seconds), "--num-threads", "1"],
-            logs / f"{name}-inference.log")
-
+    flags = ("--simulate-step-ms", str(args.simulate_step_ms),
+             "--grammar-step-timeout-seconds", str(args.grammar_step_timeout_seconds), "--num-threads", "1")
+    with grammar_and_inference(logs, name, replicas=2, grammar_flags=("--compile-workers", "1"),
+                               inference_flags=flags) as (replicas, inference):
         async def go() -> list[dict]:
             load = asyncio.ensure_future(_requests(inference.target, args.requests, args.request_timeout_seconds))
             await asyncio.sleep(args.fault_after_seconds)
@@ -89,12 +82,11 @@ def run_scenario(name: str, args: argparse.Namespace, logs: Path) -> dict:
                 os.kill(replicas[0].proc.pid, fault)
             return await load
 
-        records = asyncio.run(go())
-    finally:
-        if fault == signal.SIGSTOP and replicas[0].proc.poll() is None:
-            os.kill(replicas[0].proc.pid, signal.SIGCONT)
-        for child in ([inference] if inference else []) + replicas:
-            child.stop()
+        try:
+            records = asyncio.run(go())
+        finally:
+            if fault == signal.SIGSTOP and replicas[0].proc.poll() is None:
+                os.kill(replicas[0].proc.pid, signal.SIGCONT)
     latencies = [r["latency_seconds"] for r in records]
     statuses: dict[str, int] = {}
     for r in records:
@@ -117,14 +109,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, png: Path) -> None:
     names = [s["scenario"] for s in result["scenarios"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for i, s in enumerate(result["scenarios"]):
         xs = [i] * len(s["requests"])
         ax.scatter(xs, [r["latency_seconds"] for r in s["requests"]], alpha=0.6, color="tab:blue")
@@ -133,28 +120,20 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"{result['arguments']['requests']} constrained requests; fault on 1 of 2 grammar replicas "
                  f"at {result['arguments']['fault_after_seconds']:g} s", fontsize=9)
     ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from structd.bench.e2e.report import machine
+def result_name(args) -> str:
+    return "faults-bench"
 
+
+def run(args: argparse.Namespace) -> dict:
     names = [x.strip() for x in args.faults.split(",") if x.strip()]
     unknown = [n for n in names if n not in FAULTS]
     if unknown or not names or args.requests < 1:
-        print(f"error: --faults takes {', '.join(FAULTS)}; --requests must be >= 1", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+        raise UsageError(f"error: --faults takes {', '.join(FAULTS)}; --requests must be >= 1")
     scenarios = []
     for name in names:
         progress(f"scenario {name}: starting 2 grammar replicas and the inference service ...")
         scenarios.append(run_scenario(name, args, args.out / "logs"))
-    result = {**result_header(args, machine(1), started), "scenarios": scenarios}
-    (args.out / "faults-bench.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, args.out / "faults-bench.png")
-    print(markdown(result))
-    progress(f"wrote {args.out / 'faults-bench.json'} and {args.out / 'faults-bench.png'}")
-    return 0
+    return {"scenarios": scenarios}

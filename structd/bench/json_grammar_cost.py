@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import random
-import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import progress, result_header
+from structd.bench.harness import UsageError, progress, pyplot, save_figure
+from structd.bench.harness.children import each_in_a_child
+from structd.bench.schema_samples import closing_bias, default_data, default_vocab, load_rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from structd.bench.validity import _default_data
-
-    p.add_argument("--out", type=Path, default=Path("bench-results/json-grammar"))
-    p.add_argument("--jsonschemabench", type=Path, default=_default_data("jsonschemabench-sample.jsonl"))
+    p.add_argument("--jsonschemabench", type=Path, default=default_data("jsonschemabench-sample.jsonl"))
     p.add_argument("--limit", type=int, default=60, help="schemas, spread evenly over the sample (0: all)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per walk")
     p.add_argument("--schema-timeout-seconds", type=float, default=60.0,
@@ -89,7 +86,7 @@ def measure(schema: dict, info, vocab: list[bytes], closing, max_tokens: int, se
         ids = allowed_ids(masks["after"][0].numpy(), len(vocab))
         if len(ids) == 0:
             break
-        if rng.random() < min(0.9, 0.15 + 1.5 * step / max_tokens):
+        if rng.random() < closing_bias(step, max_tokens):
             ends = [int(t) for t in ids if closing[t]]
             if ends:
                 ids = np.array(ends)
@@ -106,52 +103,21 @@ def measure(schema: dict, info, vocab: list[bytes], closing, max_tokens: int, se
             "normalised": normalised_schema_text(text) != text}
 
 
-def _child(conn, *a) -> None:
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)  # xgrammar prints its warnings to stderr from C++
-    try:
-        conn.send(measure(*a))
-    except Exception as e:  # noqa: BLE001 - this schema's failure (a compile error): reported, not fatal
-        conn.send({"error": f"{type(e).__name__}: {str(e)[:200]}"})
-    finally:
-        conn.close()
-
-
 def run_all(args, rows: list[dict]) -> list[dict]:
-    import numpy as np
-    import xgrammar as xgr
-
-    from shared.tokenizer import default_description
-    from structd.bench.validity import CLOSING
-
-    info = xgr.TokenizerInfo.deserialize_json(default_description().info_json)
-    vocab = [bytes(t) for t in info.decoded_vocab]
-    closing = np.array([bool(t) and set(t.decode("utf-8", "ignore")) <= CLOSING for t in vocab])
-    ctx = mp.get_context("fork")
-    out = []
+    info, vocab, closing = default_vocab()
+    out = [{"category": row["category"], "name": row["name"]} for row in rows]
     t0 = time.monotonic()
-    for i, row in enumerate(rows):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, daemon=True,
-                           args=(child, row["schema"], info, vocab, closing, args.max_tokens, args.seed + i, i % 2 == 1))
-        proc.start()
-        child.close()
-        rec = {"category": row["category"], "name": row["name"]}
-        if parent.poll(args.schema_timeout_seconds):
-            try:
-                rec.update(parent.recv())
-            except EOFError:  # the child died without answering (its crash)
-                rec["error"] = f"worker exited with {proc.exitcode}"
-        else:
-            proc.kill()
-            rec["error"] = "timeout"
-        proc.join()
-        parent.close()
-        out.append(rec)
-        if (i + 1) % 10 == 0 or i + 1 == len(rows):
-            progress(f"{i + 1}/{len(rows)} schemas ({time.monotonic() - t0:.0f} s)")
+    done = 0
+
+    def finished(i: int, outcome: dict) -> None:
+        nonlocal done
+        out[i].update({"error": "timeout"} if "timeout" in outcome else outcome)
+        done += 1
+        if done % 10 == 0 or done == len(rows):
+            progress(f"{done}/{len(rows)} schemas ({time.monotonic() - t0:.0f} s)")
+
+    each_in_a_child(measure, [(row["schema"], info, vocab, closing, args.max_tokens, args.seed + i, i % 2 == 1)
+                              for i, row in enumerate(rows)], timeout=args.schema_timeout_seconds, on_done=finished)
     return out
 
 
@@ -188,7 +154,8 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
-def markdown(s: dict) -> str:
+def markdown(result: dict) -> str:
+    s = result["summary"]
     c = s["compile"]
     lines = [f"{s['counted']} of {s['schemas']} schemas counted", "",
              "| | before (xgrammar + tail form) | after (structd) | after / before |", "|---|---|---|---|",
@@ -205,45 +172,31 @@ def markdown(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(s: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, png: Path) -> None:
+    s = result["summary"]
     labels, values = ["compile (sum)"], [s["compile"]["ratio_of_sums"] or 0]
     for label in ("all", "unchanged", "normalised"):
         for k in ("mean", "p50", "p99"):
             labels.append(f"fill {label} {k}")
             values.append(s[f"fill_{label}"]["after_over_before"].get(k) or 0)
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = pyplot().subplots(figsize=(9, 3.5))
     ax.bar(labels, values)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(1.05, color="red", lw=0.8, ls="--", label="+5%")
     ax.set_ylabel("after / before")
     ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
-def run_bench(args) -> int:
-    from structd.bench.grammar.report import machine
-    from structd.bench.validity import load_rows
+def result_name(args) -> str:
+    return "json-grammar-cost"
 
+
+def run(args) -> dict:
     if args.max_tokens < 1:
-        print("--max-tokens must be at least 1", file=sys.stderr)
-        return 2
-    started = time.time()
-    rows = load_rows(argparse.Namespace(jsonschemabench=args.jsonschemabench, maskbench="", limit=args.limit))
+        raise UsageError("--max-tokens must be at least 1")
+    rows = load_rows(args.jsonschemabench, "", args.limit)
     progress(f"{len(rows)} schemas: both compiles and one paired walk each")
     records = run_all(args, rows)
-    summary = summarise(records)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started), "wall_seconds": round(time.time() - started, 1),
-              "summary": summary, "schemas": records}
-    (args.out / "json-grammar-cost.json").write_text(json.dumps(result, indent=1))
-    plot(summary, args.out / "json-grammar-cost.png")
-    print(markdown(summary))
-    return 0
+    return {"summary": summarise(records), "schemas": records}

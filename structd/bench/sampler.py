@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from structd.bench.harness import module_at_revision, plot_old_new, progress, write_result
+from structd.bench.harness import UsageError, old_new, progress
 
 OLD_REV = "d83242f"
 VOCAB = 129_280
@@ -31,18 +29,21 @@ LONG_DISALLOWED = 20_000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/sampler"))
-    p.add_argument("--old-rev", default=OLD_REV,
-                   help="git revision whose inference_svc/engine/sampling.py and step_sampler.py are the old sampler")
+    old_new.add_old_rev(p, OLD_REV, "inference_svc/engine/sampling.py and step_sampler.py are the old sampler")
     p.add_argument("--rows", type=int, default=24, help="sampled rows per step")
     p.add_argument("--rounds", type=int, default=200, help="steps each sampler samples per kind")
 
 
 def load_old_sampler(rev: str):
     """The old StepSampler class, importing the old sampling module (not the working tree's)."""
-    module_at_revision(rev, "inference_svc/engine/sampling.py", "old_sampling")
-    return module_at_revision(rev, "inference_svc/engine/step_sampler.py", "old_step_sampler",
-                              (("from inference_svc.engine.sampling import", "from old_sampling import"),)).StepSampler
+    # Before 43f705f the sampler and the masks were at the top of inference_svc/; the old sampler writes masks
+    # with the working tree's apply_masks, as it always has.
+    old_new.module_at_revision(rev, ("inference_svc/engine/sampling.py", "inference_svc/sampling.py"), "old_sampling")
+    return old_new.module_at_revision(
+        rev, ("inference_svc/engine/step_sampler.py", "inference_svc/step_sampler.py"), "old_step_sampler",
+        (("from inference_svc.engine.sampling import", "from old_sampling import"),
+         ("from inference_svc.sampling import", "from old_sampling import"),
+         ("from inference_svc.masking import", "from inference_svc.engine.masking import"))).StepSampler
 
 
 def _plan(kind: str, rows: int, rng, bitmask):
@@ -92,7 +93,7 @@ def time_kind(old_cls, kind: str, rows: int, rounds: int, seed: int) -> dict:
         logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed + r))
         plan = _plan(kind, rows, rng, bitmask)
         tokens = {}
-        for which in (("old", "new") if r % 2 else ("new", "old")):
+        for which in old_new.order(r):
             x = logits.clone()
             t0 = time.perf_counter()
             tokens[which] = samplers[which].sample(x, copy.deepcopy(plan), rows_of)
@@ -103,29 +104,29 @@ def time_kind(old_cls, kind: str, rows: int, rounds: int, seed: int) -> dict:
     return {"kind": kind, "rows": rows, "old_ms": round(o, 3), "new_ms": round(n, 3), "new_over_old": round(n / o, 3)}
 
 
-def run_bench(args) -> int:
+def result_name(args) -> str:
+    return "sampler"
+
+
+def run(args) -> dict:
     import torch
 
-    from structd.bench.grammar.report import machine
-
     if args.rounds < 1 or args.rows < 1:
-        print("--rounds and --rows must be at least 1", file=sys.stderr)
-        return 2
-    started = time.time()
-    try:
-        old_cls = load_old_sampler(args.old_rev)
-    except subprocess.CalledProcessError as e:  # the user's --old-rev: not a revision of this clone
-        print(f"cannot read the sampler at --old-rev {args.old_rev}: {e.stderr.strip()}", file=sys.stderr)
-        return 2
+        raise UsageError("--rounds and --rows must be at least 1")
+    old_cls = old_new.load_old(load_old_sampler, args.old_rev, "the sampler")
     torch.set_num_threads(1)
     results = []
     for k, kind in enumerate(KINDS):
         results.append(time_kind(old_cls, kind, args.rows, args.rounds, seed=k * 100_003))
         progress(f"{kind}: old {results[-1]['old_ms']} ms, new {results[-1]['new_ms']} ms")
-    write_result(args, machine(), started, "sampler", kinds=results)
-    plot_old_new(results, "kind", "old_ms", "new_ms", f"median ms per step ({args.rows} rows)",
-                 args.out / "sampler.png", width=7.0)
-    print(f"| rows ({args.rows} a step) | old ms | new ms | new / old |\n|---|---|---|---|")
-    for r in results:
-        print(f"| {r['kind']} | {r['old_ms']} | {r['new_ms']} | {r['new_over_old']:.2f} |")
-    return 0
+    return {"kinds": results}
+
+
+def markdown(result: dict) -> str:
+    return old_new.markdown(result["kinds"], "kind", "old_ms", "new_ms", f"rows ({result['arguments']['rows']} a step)",
+                            "ms")
+
+
+def plot(result: dict, png: Path) -> None:
+    old_new.plot(result["kinds"], "kind", "old_ms", "new_ms", f"median ms per step ({result['arguments']['rows']} rows)",
+                 png, width=7.0)

@@ -30,7 +30,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -40,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
-from structd.bench.harness import ChildService, free_port, load_average, process_and_children, result_header
+from structd.bench.harness import ChildService, UsageError, free_port, machine, process_and_children, progress
+from structd.bench.soak_report import markdown, plot, summarize  # noqa: F401 - markdown, plot: this Benchmark's
 from structd.up import Backoff
 
 STREAMS_PER_CHANNEL = 64  # HTTP/2 streams per client connection
@@ -57,12 +57,7 @@ CHOICES = [["yes", "no"], ["red", "green", "blue", "yellow"], ["north", "south",
            ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]]
 
 
-def progress(msg: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="bench-results/soak", help="output directory (JSON + PNG + service logs)")
     parser.add_argument("--duration-seconds", type=float, default=600.0, help="how long the load runs")
     parser.add_argument("--streams", type=int, default=256, help="concurrent client streams (closed loop)")
     parser.add_argument("--simulate-step-ms", type=float, default=5.0, help="simulated runner step time")
@@ -99,7 +94,7 @@ def check_arguments(args) -> None:
     if args.simulate_step_ms <= 0:
         problems.append("--simulate-step-ms must be positive (the soak runs on the simulated runner)")
     if problems:
-        raise SystemExit("structd bench soak: " + "; ".join(problems))
+        raise UsageError("structd bench soak: " + "; ".join(problems))
 
 
 # --- the workload --------------------------------------------------------------------------
@@ -507,33 +502,24 @@ def progress_line(s: dict, samples: list[dict], restarts: int, over: bool) -> st
 # --- the whole run -------------------------------------------------------------------------
 
 
-def run_bench(args) -> int:
-    from structd.bench import soak_report as report
+def result_name(args) -> str:
+    return "soak"
 
+
+def run(args) -> dict:
     check_arguments(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    result: dict = result_header(args, report.machine(), started)
     progress(f"{args.streams} streams for {args.duration_seconds:g} s on the simulated runner "
              f"({args.simulate_step_ms:g} ms/step), a grammar replica restarted every "
              f"{args.restart_every_seconds:g} s; starting 2 grammar replicas and the inference server")
-    services = Services(args, out)
+    services = Services(args, args.out)
     try:
         progress(f"grammar replicas at {', '.join(r.target for r in services.grammar)}, inference at "
                  f"{services.inference.target} (pid {services.inference.proc.pid})")
-        run = asyncio.run(run_soak(args, services))
+        soaked = asyncio.run(run_soak(args, services))
     finally:
         progress("stopping the services")
         services.stop()
-    result.update(report.summarize(args, run))
-    result["load_average_end"] = load_average()
-    result["duration_seconds"] = time.time() - started
-    m = result["machine"]
-    result["title"] = (f"structd bench soak: {args.streams} streams, {args.duration_seconds:g} s, simulated "
-                       f"{args.simulate_step_ms:g} ms/step, {m['cpu_model']} x{m['logical_cpus']}")
-    (out / "soak.json").write_text(json.dumps(result, indent=1, default=str))
-    report.plot(result, out / "soak.png")
-    print(report.markdown(result))
-    progress(f"wrote {out / 'soak.json'} and {out / 'soak.png'} ({result['duration_seconds']:.0f} s in all)")
-    return 0
+    m = machine()
+    return {**summarize(args, soaked),
+            "title": f"structd bench soak: {args.streams} streams, {args.duration_seconds:g} s, simulated "
+                     f"{args.simulate_step_ms:g} ms/step, {m['cpu_model']} x{m['logical_cpus']}"}

@@ -6,14 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from structd.bench.harness import pyplot, save_figure
+
 MIB = 2**20
-
-
-def machine() -> dict:
-    from structd.bench.e2e.report import machine as e2e_machine
-
-    return e2e_machine(1)  # the inference server runs the simulated runner with one torch thread
-
 
 
 def with_rates(samples: list[dict]) -> list[dict]:
@@ -127,13 +122,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     samples = result["samples"]
-    fig, axes = plt.subplots(3, 1, figsize=(13, 11), sharex=True)
+    fig, axes = pyplot().subplots(3, 1, figsize=(13, 11), sharex=True)
     t = [s["t"] for s in samples]
 
     ax = axes[0]
@@ -189,6 +179,4 @@ def plot(result: dict, path: Path) -> None:
     if w:
         axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle(result.get("title", "structd bench soak"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

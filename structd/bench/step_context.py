@@ -15,27 +15,26 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
-import sys
 import time
 from itertools import accumulate, chain
 from pathlib import Path
 
-from structd.bench.harness import module_at_revision, plot_old_new, progress, write_result
+from structd.bench.harness import UsageError, old_new, progress
 
 OLD_REV = "08b29cc"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/step-context"))
-    p.add_argument("--old-rev", default=OLD_REV,
-                   help="git revision whose inference_svc/model/attention.py is the old builder")
+    old_new.add_old_rev(p, OLD_REV, "inference_svc/model/attention.py is the old builder")
     p.add_argument("--rounds", type=int, default=2000, help="calls of each builder per batch")
     p.add_argument("--device", default="cpu")
 
 
 def load_old_attention(rev: str):
-    return module_at_revision(rev, "inference_svc/model/attention.py", "old_attention")
+    # Before 43f705f the builder and the KV cache were at the top of inference_svc/.
+    return old_new.module_at_revision(rev, ("inference_svc/model/attention.py", "inference_svc/attention.py"),
+                                      "old_attention",
+                                      (("from inference_svc.paged_kv import", "from inference_svc.model.paged_kv import"),))
 
 
 def old_inputs(old, cache, batch, device):
@@ -107,7 +106,7 @@ def time_batch(old, device, rng: random.Random, decodes: int, mixed: bool, round
     batch = make_batch(cache, rng, decodes, mixed)
     times: dict[str, list[int]] = {"old": [], "new": []}
     for r in range(rounds):
-        for which in (("old", "new") if r % 2 else ("new", "old")):
+        for which in old_new.order(r):
             t0 = time.perf_counter_ns()
             out = old_inputs(old, cache, batch, device) if which == "old" else new_inputs(cache, batch, device)
             if device.type == "cuda":
@@ -120,21 +119,16 @@ def time_batch(old, device, rng: random.Random, decodes: int, mixed: bool, round
             "new_over_old": round(n / o, 3)}
 
 
-def run_bench(args) -> int:
+def result_name(args) -> str:
+    return "step-context"
+
+
+def run(args) -> dict:
     import torch
 
-    from structd.bench.grammar.report import machine
-
     if args.rounds < 1:
-        print("--rounds must be at least 1", file=sys.stderr)
-        return 2
-    started = time.time()
-    try:
-        old = load_old_attention(args.old_rev)
-    except subprocess.CalledProcessError as e:  # the user's --old-rev: not a revision of this clone
-        print(f"cannot read inference_svc/model/attention.py at --old-rev {args.old_rev}: {e.stderr.strip()}",
-              file=sys.stderr)
-        return 2
+        raise UsageError("--rounds must be at least 1")
+    old = old_new.load_old(load_old_attention, args.old_rev, "inference_svc/model/attention.py")
     device = torch.device(args.device)
     torch.set_num_threads(1)
     rng = random.Random(0)
@@ -143,9 +137,12 @@ def run_bench(args) -> int:
         for mixed in (False, True):
             rows.append(time_batch(old, device, rng, decodes, mixed, args.rounds))
             progress(f"{rows[-1]['step']}: new/old {rows[-1]['new_over_old']:.2f}")
-    write_result(args, machine(), started, "step-context", steps=rows)
-    plot_old_new(rows, "step", "old_us", "new_us", "median µs per step", args.out / "step-context.png")
-    print("| step | old µs | new µs | new / old |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['step']} | {r['old_us']} | {r['new_us']} | {r['new_over_old']:.2f} |")
-    return 0
+    return {"steps": rows}
+
+
+def markdown(result: dict) -> str:
+    return old_new.markdown(result["steps"], "step", "old_us", "new_us", "step", "µs")
+
+
+def plot(result: dict, png: Path) -> None:
+    old_new.plot(result["steps"], "step", "old_us", "new_us", "median µs per step", png)

@@ -28,31 +28,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import random
-import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from structd.bench import validity_e2e
-from structd.bench.harness import progress, result_header
+from structd.bench.harness import UsageError, progress, pyplot, save_figure
+from structd.bench.harness.children import each_in_a_child
+from structd.bench.schema_samples import CLOSING, closing_bias, default_data, default_vocab, load_rows, validation_cause
 
 ENGINES = ("xgrammar", "structd")
 # The reference the issue names: another library's grammar for the same schema, on the same tokenizer.
 REFERENCE = "llguidance"
-CLOSING = frozenset('"}]')
-
-
-def _default_data(name: str) -> Path:
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / name
+__all__ = ["CLOSING", "walk"]  # CLOSING: what tests/test_json_validity.py walks with
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results/validity"))
-    p.add_argument("--jsonschemabench", type=Path, default=_default_data("jsonschemabench-sample.jsonl"),
+    p.add_argument("--jsonschemabench", type=Path, default=default_data("jsonschemabench-sample.jsonl"),
                    help="JSON Lines of {dataset, name, schema}")
-    p.add_argument("--maskbench", type=Path, default=_default_data("maskbench-sample.jsonl"),
+    p.add_argument("--maskbench", type=Path, default=default_data("maskbench-sample.jsonl"),
                    help="JSON Lines of {group, name, schema, tests} ('' to skip)")
     p.add_argument("--limit", type=int, default=0, help="schemas per file, spread evenly over it (0: all)")
     p.add_argument("--walks", type=int, default=6, help="random walks per schema and grammar")
@@ -68,40 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also walk llguidance's grammar for each schema, as a reference (bench extra)")
 
 
-# ----------------------------------------------------------------------------- schemas
-
-
-def load_rows(args) -> list[dict]:
-    """(source, category, name, schema) of every schema to run, file by file."""
-    rows = []
-    for source, path, category_key in (("jsonschemabench", args.jsonschemabench, "dataset"),
-                                       ("maskbench", args.maskbench, "group")):
-        if not str(path) or str(path) == ".":
-            continue
-        lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        if args.limit and args.limit < len(lines):
-            lines = [lines[int(i * len(lines) / args.limit)] for i in range(args.limit)]
-        rows += [{"source": source, "category": r[category_key], "name": r["name"], "schema": r["schema"]}
-                 for r in lines]
-    return rows
-
-
 # ----------------------------------------------------------------------------- one schema (in a child)
-
-
-def validation_cause(text: str, schema) -> str | None:
-    """None when `text` is one JSON document valid against `schema`; else the cause of the first failure."""
-    import jsonschema
-
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        return f"not-json: {e.msg}"
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    error = jsonschema.exceptions.best_match(cls(schema).iter_errors(doc))
-    if error is None:
-        return None
-    return f"{error.validator}{' (root)' if not error.absolute_path and error.validator == 'type' else ''}"
 
 
 class _XgrammarWalker:
@@ -160,8 +122,7 @@ def walk(compiled, vocab: list[bytes], stop_ids: set[int], closing, rng: random.
         ids = allowed_ids(walker.mask(), len(vocab))
         if len(ids) == 0:
             return None
-        # Closing tokens grow likelier along the walk, so that most walks finish.
-        if rng.random() < min(0.9, 0.15 + 1.5 * step / max_tokens):
+        if rng.random() < closing_bias(step, max_tokens):
             ends = [int(t) for t in ids if closing[t]]
             if ends:
                 ids = ends
@@ -241,87 +202,42 @@ def engines(args) -> list[str]:
     return list(ENGINES) + ([REFERENCE] if args.reference == REFERENCE else [])
 
 
-def _child(conn, row, info, vocab, closing, args, seed) -> None:
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)  # xgrammar prints its warnings to stderr from C++
-    try:
-        conn.send(run_schema(row, info, vocab, closing, args, seed))
-    except Exception as e:  # noqa: BLE001 - this benchmark's own failure on one schema: reported, not fatal
-        conn.send({"error": f"{type(e).__name__}: {e}"})
-    finally:
-        conn.close()
-
-
 # ----------------------------------------------------------------------------- driver
 
 
 def run_all(args, rows: list[dict]) -> list[dict]:
-    import numpy as np
-    import xgrammar as xgr
-
-    from shared.tokenizer import default_description
-
     # Imported before the children fork: every schema runs the code the run started with.
     import grammar_svc.schema.json_grammar  # noqa: F401
 
-    info = xgr.TokenizerInfo.deserialize_json(default_description().info_json)
-    vocab = [bytes(t) for t in info.decoded_vocab]
+    info, vocab, closing = default_vocab()
     if args.reference == REFERENCE:
         import llguidance.hf
 
         from shared.tokenizer import load_hf_tokenizer
 
         _LLG["tokenizer"] = llguidance.hf.from_tokenizer(load_hf_tokenizer(), n_vocab=len(vocab))
-    closing = np.array([bool(t) and set(t.decode("utf-8", "ignore")) <= CLOSING for t in vocab])
-    ctx = mp.get_context("fork")
-    pending = list(enumerate(rows))
-    running: dict[int, tuple] = {}
     results: list[dict] = [dict(source=r["source"], category=r["category"], name=r["name"], status="skipped")
                            for r in rows]
     t0 = time.monotonic()
     done = 0
-    while pending or running:
-        budget_left = not args.time_budget_seconds or time.monotonic() - t0 < args.time_budget_seconds
-        while pending and budget_left and len(running) < max(1, args.workers):
-            i, row = pending.pop(0)
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(child, row, info, vocab, closing, args, args.seed + i), daemon=True)
-            proc.start()
-            child.close()
-            running[i] = (proc, parent, time.monotonic())
-        if not budget_left:
-            pending.clear()
-        for i, (proc, parent, started) in list(running.items()):
-            outcome = None
-            if parent.poll():
-                try:
-                    outcome = parent.recv()
-                except EOFError:  # the child died without answering (its crash): counted as an error
-                    outcome = {"error": f"worker exited with {proc.exitcode}"}
-            elif not proc.is_alive():
-                outcome = {"error": f"worker exited with {proc.exitcode}"}
-            elif time.monotonic() - started > args.schema_timeout_seconds:
-                proc.kill()
-                outcome = {"timeout": True}
-            if outcome is None:
-                continue
-            proc.join()
-            parent.close()
-            del running[i]
-            r = results[i]
-            if "timeout" in outcome:
-                r["status"] = "timeout"
-            elif "error" in outcome:
-                r["status"], r["error"] = "error", outcome["error"]
-            else:
-                r["status"] = "ok"
-                r.update(outcome)
-            done += 1
-            if done % 25 == 0 or done == len(rows):
-                progress(f"{done}/{len(rows)} schemas ({time.monotonic() - t0:.0f} s): {_rates_line(results)}")
-        time.sleep(0.01)
+
+    def finished(i: int, outcome: dict) -> None:
+        nonlocal done
+        r = results[i]
+        if "timeout" in outcome:
+            r["status"] = "timeout"
+        elif "error" in outcome:
+            r["status"], r["error"] = "error", outcome["error"]
+        else:
+            r["status"] = "ok"
+            r.update(outcome)
+        done += 1
+        if done % 25 == 0 or done == len(rows):
+            progress(f"{done}/{len(rows)} schemas ({time.monotonic() - t0:.0f} s): {_rates_line(results)}")
+
+    each_in_a_child(run_schema, [(row, info, vocab, closing, args, args.seed + i) for i, row in enumerate(rows)],
+                    timeout=args.schema_timeout_seconds, workers=args.workers,
+                    budget_seconds=args.time_budget_seconds, on_done=finished)
     return results
 
 
@@ -373,7 +289,7 @@ def _share(valid: int, docs: int) -> dict:
     return {"valid": valid, "documents": docs, "share": round(valid / docs, 5) if docs else None}
 
 
-def markdown(summary: dict) -> str:
+def _walks_markdown(summary: dict) -> str:
     names = summary["engines"]
     empty = {"valid": 0, "documents": 0, "share": None}
     first = summary[names[0]]
@@ -394,16 +310,19 @@ def _fmt(a: dict) -> str:
     return f"{a['valid']}/{a['documents']} ({100 * a['share']:.2f}%)" if a["share"] is not None else "-"
 
 
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
+def plot(result: dict, png: Path) -> None:
+    if "summary" in result:
+        _plot_walks(result["summary"], png)
+    if "end_to_end" in result:
+        validity_e2e.plot(result["end_to_end"]["summary"], png.with_name("validity-e2e.png"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _plot_walks(summary: dict, png: Path) -> None:
     import numpy as np
 
     names = summary["engines"]
     cats = list(summary[names[0]]["by_category"])
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(cats) + 1.5))
+    fig, ax = pyplot().subplots(figsize=(10, 0.35 * len(cats) + 1.5))
     y = np.arange(len(cats))
     height = 0.8 / len(names)
     for k, e in enumerate(names):
@@ -413,38 +332,34 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xlabel("complete random-walk documents that validate (%)")
     ax.set_xlim(0, 100)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
-def run_bench(args) -> int:
-    from structd.bench.grammar.report import machine
+def result_name(args) -> str:
+    return "validity-bench"
 
+
+def run(args) -> dict:
     if args.no_walks and args.e2e_requests < 1:
-        print("--no-walks leaves nothing to run without --e2e-requests", file=sys.stderr)
-        return 2
+        raise UsageError("--no-walks leaves nothing to run without --e2e-requests")
     for flag in ("walks", "max_tokens", "workers"):
         if getattr(args, flag) < 1:
-            print(f"--{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
-    started = time.time()
-    rows = load_rows(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine(), started)}
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    rows = load_rows(args.jsonschemabench, args.maskbench, args.limit)
+    result: dict = {}
     if not args.no_walks:
         progress(f"{len(rows)} schemas, {args.walks} walks each per grammar, {args.workers} workers")
         results = run_all(args, rows)
-        summary = summarise(results, engines(args))
-        result.update(summary=summary, schemas=results)
-        plot(summary, args.out / "validity-bench.png")
-        print(markdown(summary))
+        result.update(summary=summarise(results, engines(args)), schemas=results)
     if args.e2e_requests > 0:
-        e2e = validity_e2e.run_e2e(args, rows, args.out, progress)
-        result["end_to_end"] = e2e
-        validity_e2e.plot(e2e["summary"], args.out / "validity-e2e.png")
-        print()
-        print(validity_e2e.markdown(e2e["summary"]))
-    result["wall_seconds"] = round(time.time() - started, 1)
-    (args.out / "validity-bench.json").write_text(json.dumps(result, indent=1))
-    return 0
+        result["end_to_end"] = validity_e2e.run_e2e(args, rows, args.out)
+    return result
+
+
+def markdown(result: dict) -> str:
+    tables = []
+    if "summary" in result:
+        tables.append(_walks_markdown(result["summary"]))
+    if "end_to_end" in result:
+        tables.append(validity_e2e.markdown(result["end_to_end"]["summary"]))
+    return "\n\n".join(tables)

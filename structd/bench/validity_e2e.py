@@ -29,6 +29,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from structd.bench.harness import grammar_and_inference, progress, pyplot, save_figure
+from structd.bench.harness.closed_loop import closed_loop
+from structd.bench.schema_samples import validation_cause
+
 PROMPT = "Write one JSON document that follows this JSON Schema, and nothing else.\n"
 
 
@@ -44,7 +48,6 @@ async def _one(client, row: dict, args, seed: int) -> dict:
     from jsonschema.exceptions import SchemaError
 
     from shared.inference_client import InferenceError
-    from structd.bench.validity import validation_cause
 
     rec = {"source": row["source"], "category": row["category"], "name": row["name"]}
     text, final = [], None
@@ -85,25 +88,21 @@ async def _one(client, row: dict, args, seed: int) -> dict:
     return rec
 
 
-async def _run(target: str, rows: list[dict], args, progress) -> list[dict]:
+async def _run(target: str, rows: list[dict], args) -> list[dict]:
     from shared.inference_client import AsyncInferenceClient
 
     records: list[dict | None] = [None] * len(rows)
-    next_index = 0
     t0 = time.monotonic()
-    async with AsyncInferenceClient(target) as client:
-        async def worker():
-            nonlocal next_index
-            while next_index < len(rows):
-                i = next_index
-                next_index += 1
-                records[i] = await _one(client, rows[i], args, args.seed + i)
-                done = sum(r is not None for r in records)
-                if done % 10 == 0 or done == len(rows):
-                    progress(f"end to end: {done}/{len(rows)} requests ({time.monotonic() - t0:.0f} s): "
-                             f"{dict(Counter(r['outcome'] for r in records if r))}")
 
-        await asyncio.gather(*(worker() for _ in range(max(1, args.e2e_concurrency))))
+    def finished() -> None:
+        done = sum(r is not None for r in records)
+        if done % 10 == 0 or done == len(rows):
+            progress(f"end to end: {done}/{len(rows)} requests ({time.monotonic() - t0:.0f} s): "
+                     f"{dict(Counter(r['outcome'] for r in records if r))}")
+
+    async with AsyncInferenceClient(target) as client:
+        await closed_loop(records, args.e2e_concurrency, lambda i: _one(client, rows[i], args, args.seed + i),
+                          finished)
     return [r for r in records if r is not None]
 
 
@@ -114,22 +113,13 @@ def pick(rows: list[dict], n: int, seed: int) -> list[dict]:
     return random.Random(seed).sample(rows, n)
 
 
-def run_e2e(args, rows: list[dict], out: Path, progress) -> dict:
+def run_e2e(args, rows: list[dict], out: Path) -> dict:
     """Starts the services, runs the requests, stops the services; the records and their summary."""
-    from structd.bench.harness import ChildService
-
     chosen = pick(rows, args.e2e_requests, args.seed)
     progress(f"end to end: starting a grammar and an inference service for {len(chosen)} schemas")
-    grammar = ChildService(["grammar"], out / "validity-grammar.log")
-    inference = None
-    try:
-        inference = ChildService(["inference", "--grammar-target", grammar.target, "--num-threads", "1",
-                                  "--max-num-seqs", str(max(8, args.e2e_concurrency))],
-                                 out / "validity-inference.log")
-        records = asyncio.run(_run(inference.target, chosen, args, progress))
-    finally:
-        for service in ([inference] if inference else []) + [grammar]:
-            service.stop()
+    flags = ("--num-threads", "1", "--max-num-seqs", str(max(8, args.e2e_concurrency)))
+    with grammar_and_inference(out, "validity", inference_flags=flags) as (_, inference):
+        records = asyncio.run(_run(inference.target, chosen, args))
     return {"records": records, "summary": summarise(records)}
 
 
@@ -168,18 +158,11 @@ def markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     o = summary["outcomes"]
     labels = ["valid", "reported", "unchecked", "silent", "unfinished", "error"]
     values = [o.get(k, 0) for k in labels]
-    fig, ax = plt.subplots(figsize=(7, 3))
+    fig, ax = pyplot().subplots(figsize=(7, 3))
     ax.bar(labels, values, color=["tab:green", "tab:orange", "tab:gray", "tab:red", "tab:blue", "black"])
     ax.set_ylabel("requests")
     ax.set_title(f"end to end: {summary['finished']} finished documents of {summary['requests']} requests")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from structd.bench.e2e.report import parse_metrics
 from structd.bench.harness import ChildService, ServiceThread
+from structd.bench.harness.metrics import parse_metrics
 
 
 class InProcessService(ServiceThread):

@@ -1,82 +1,17 @@
-"""`structd bench e2e`: metric deltas, aggregates, comparisons, targets, the plot and the markdown tables."""
+"""`structd bench e2e`: the phases' metric deltas, aggregates, comparisons, targets, the plot and the markdown tables."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
 from inference_svc.metrics import HOST_PHASES, LM_HEAD_PATHS
-from structd.bench.grammar.report import summarize
+from structd.bench.harness import pyplot, save_figure
+from structd.bench.harness.metrics import delta, histogram_delta, histogram_mean, histogram_quantile, share_above
+from structd.bench.stats import summarize
 
 MS = 1e3
-
-
-# --- Prometheus text -> numbers ---------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """{'name{label=value,...}': value} for every sample (histogram buckets, sums, counts, counters)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def _delta(before: dict, after: dict, key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-def _mean(before: dict, after: dict, histogram: str, labels: str) -> float | None:
-    """A histogram's mean over the phase (None when it was not observed)."""
-    count = _delta(before, after, f"{histogram}_count{{{labels}}}")
-    return _delta(before, after, f"{histogram}_sum{{{labels}}}") / count if count else None
-
-
-def histogram_delta(before: dict, after: dict, name: str) -> dict:
-    """An unlabelled histogram's change: cumulative buckets, sum, count."""
-    buckets = []
-    prefix = f"{name}_bucket{{le="
-    for key in after:
-        if key.startswith(prefix):
-            le = key[len(prefix):-1]
-            buckets.append((math.inf if le == "+Inf" else float(le), _delta(before, after, key)))
-    buckets.sort()
-    return {"buckets": buckets, "sum": _delta(before, after, f"{name}_sum"),
-            "count": _delta(before, after, f"{name}_count")}
-
-
-def histogram_quantile(h: dict, q: float) -> float | None:
-    """Prometheus' histogram_quantile over the delta (linear inside the bucket)."""
-    total = h["count"]
-    if not h["buckets"] or total <= 0:
-        return None
-    rank = q * total
-    prev_le, prev_cum = 0.0, 0.0
-    for le, cum in h["buckets"]:
-        if cum >= rank:
-            if math.isinf(le):
-                return prev_le
-            if cum == prev_cum:
-                return le
-            return prev_le + (le - prev_le) * (rank - prev_cum) / (cum - prev_cum)
-        prev_le, prev_cum = le, cum
-    return prev_le
-
-
-def share_above(h: dict, bound: float) -> float | None:
-    """Fraction of observations above `bound` (a bucket edge)."""
-    if h["count"] <= 0:
-        return None
-    below = max((cum for le, cum in h["buckets"] if le <= bound), default=0.0)
-    return 1.0 - below / h["count"]
 
 
 def server_deltas(before: dict, after: dict, wall: float) -> dict:
@@ -101,17 +36,17 @@ def server_deltas(before: dict, after: dict, wall: float) -> dict:
         "grammar_rpc_p50_seconds": histogram_quantile(rpc, 0.5),
         "grammar_rpc_p90_seconds": histogram_quantile(rpc, 0.9),
         "mean_batch": batch["sum"] / batch["count"] if batch["count"] else None,
-        "generation_tokens_constrained": _delta(before, after, "inference_svc_generation_tokens_total{constrained=true}"),
-        "generation_tokens_unconstrained": _delta(before, after,
+        "generation_tokens_constrained": delta(before, after, "inference_svc_generation_tokens_total{constrained=true}"),
+        "generation_tokens_unconstrained": delta(before, after,
                                                   "inference_svc_generation_tokens_total{constrained=false}"),
-        "forced_tokens": _delta(before, after, "inference_svc_forced_tokens_total"),
-        "preemptions": _delta(before, after, "inference_svc_preemptions_total"),
+        "forced_tokens": delta(before, after, "inference_svc_forced_tokens_total"),
+        "preemptions": delta(before, after, "inference_svc_preemptions_total"),
         # How each step's LM head ran (--sparse-head): sparse, partial, full_late, full_needed, full.
-        "lm_head_steps": {path: _delta(before, after, f"inference_svc_lm_head_steps_total{{path={path}}}")
+        "lm_head_steps": {path: delta(before, after, f"inference_svc_lm_head_steps_total{{path={path}}}")
                           for path in LM_HEAD_PATHS},
         # The step loop's host work per step, by phase (inference_svc_step_host_seconds): mean seconds per
         # step that ran the phase, and per row of the mean batch.
-        "host_phase_mean_seconds": {phase: _mean(before, after, "inference_svc_step_host_seconds", f"phase={phase}")
+        "host_phase_mean_seconds": {phase: histogram_mean(before, after, "inference_svc_step_host_seconds", f"phase={phase}")
                                     for phase in HOST_PHASES},
     }
     if batch["count"] and batch["sum"]:
@@ -137,7 +72,7 @@ def grammar_deltas(before: dict, after: dict) -> dict:
         "fill_rows": int(fill["count"]),
         "fill_mean_seconds": fill["sum"] / fill["count"] if fill["count"] else None,
         "fill_p99_seconds": histogram_quantile(fill, 0.99),
-        "jump_forward_tokens": _delta(before, after, "grammar_svc_jump_forward_tokens_total"),
+        "jump_forward_tokens": delta(before, after, "grammar_svc_jump_forward_tokens_total"),
     }
 
 
@@ -384,21 +319,6 @@ def targets(result: dict, *, target_runner: str, top_n: int, mask_wait_share: fl
     return t
 
 
-def machine(torch_threads: int) -> dict:
-    from importlib import metadata
-
-    from structd.bench.grammar.report import machine as base
-
-    info = base()
-    for dist in ("torch", "transformers", "prometheus-client"):
-        try:
-            info["versions"][dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            info["versions"][dist] = None
-    info["torch_threads"] = torch_threads
-    return info
-
-
 # --- output -------------------------------------------------------------------------------
 
 
@@ -481,12 +401,10 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    """The four panels into `path`; with several grammar replica counts, their sweep beside it."""
+    if len(result["arguments"]["grammar_replicas"]) > 1:
+        plot_replica_sweep(result, path.with_name("e2e-grammar-replicas.png"))
+    fig, axes = pyplot().subplots(2, 2, figsize=(15, 10))
     phases = result["phases"]
     peers = {k: v for k, v in result["peers"].items() if isinstance(v, dict) and v.get("phases")}
     runners = list(dict.fromkeys(p["runner"] for p in phases)) + list(peers)
@@ -565,20 +483,13 @@ def plot(result: dict, path: Path) -> None:
     _legend(ax)
 
     fig.suptitle(result.get("title", "structd bench e2e"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_replica_sweep(result: dict, path: Path) -> None:
     """Mask-wait share and TPOT ratio against the number of grammar replicas, one line per runner and N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sweep = result["grammar_replica_sweep"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(16, 5))
     lines = sorted({(w["runner"], w["concurrency"]) for w in sweep})
     panels = (("mask_wait_share", 100.0, "mask wait, % of forward time", 3.0),
               ("tpot_ratio_mean", 1.0, "mean TPOT constrained / unconstrained", 1.05),
@@ -597,9 +508,7 @@ def plot_replica_sweep(result: dict, path: Path) -> None:
         ax.set_ylim(bottom=0)
         _legend(ax)
     fig.suptitle(f"Grammar replicas: {result.get('title', 'structd bench e2e')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _legend(ax) -> None:

@@ -31,7 +31,6 @@ Writes <out>/e2e-bench.json (every number, the machine, the command line) and
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -41,7 +40,10 @@ from structd.bench.e2e import report
 from structd.bench.e2e.grammar_replicas import GrammarReplicas, InProcessService, merged, steps_each
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
-from structd.bench.harness import ChildService, load_average, progress, result_header
+from structd.bench.e2e.report import markdown, plot  # noqa: F401 - this Benchmark's
+from structd.bench.harness import ChildService, UsageError, machine, progress
+from structd.bench.harness.closed_loop import closed_loop
+from structd.bench.harness.metrics import parse_metrics
 
 # What the issue reports for vLLM's CPU engine on this model (constrained / unconstrained TPOT),
 # shown beside our numbers when vLLM itself is not run here. Not measured by this benchmark.
@@ -85,12 +87,11 @@ def parse_runner(name: str) -> RunnerSpec:
         return RunnerSpec("model", 0.0)
     m = re.fullmatch(r"sim(\d+(?:\.\d+)?)", name)
     if not m or float(m.group(1)) <= 0:
-        raise SystemExit(f"--runners: unknown runner {name!r} (use model or sim<ms>, e.g. sim5)")
+        raise UsageError(f"--runners: unknown runner {name!r} (use model or sim<ms>, e.g. sim5)")
     return RunnerSpec(name, float(m.group(1)))
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="bench-results/e2e", help="output directory (JSON + PNG)")
     parser.add_argument("--runners", type=_name_list, default=["model", "sim2", "sim5", "sim10"],
                         help="model (the embedded model) and/or sim<ms> (simulated runner), comma-separated")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="requests in flight, e.g. 1,8,32")
@@ -211,17 +212,9 @@ async def run_phase(target: str, items: list[tuple[Work, int]], concurrency: int
     """Closed loop over (request, max_tokens): `concurrency` workers take the next one as soon as theirs ends."""
     from shared.inference_client import AsyncInferenceClient
 
-    records: list[dict | None] = [None] * len(items)
-    next_index = 0
     async with AsyncInferenceClient(target) as client:
         t0 = time.perf_counter()
-
-        async def worker():
-            nonlocal next_index
-            while next_index < len(items):
-                i = next_index
-                next_index += 1
-                records[i] = await _one(client, i, *items[i], jump_forward, t0)
+        records: list[dict | None] = [None] * len(items)
 
         async def ticker():
             while True:
@@ -231,7 +224,7 @@ async def run_phase(target: str, items: list[tuple[Work, int]], concurrency: int
 
         tick = asyncio.create_task(ticker())
         try:
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await closed_loop(records, concurrency, lambda i: _one(client, i, *items[i], jump_forward, t0))
         finally:
             tick.cancel()
         wall = time.perf_counter() - t0
@@ -291,12 +284,12 @@ def run_runner(args, runner: RunnerSpec, grammar: GrammarReplicas, out: Path) ->
                      + (f"{args.max_tokens}" if len({m for _, m in items}) == 1
                         else f"matched to the constrained ones ({sum(m for _, m in items)} in all)"))
             before_grammar = grammar.metrics()
-            before = (report.parse_metrics(server.metrics_text()), merged(before_grammar))
+            before = (parse_metrics(server.metrics_text()), merged(before_grammar))
             cpu_before = (server.cpu_seconds(with_children=True), grammar.cpu_seconds(), time.process_time())
             records, wall = asyncio.run(run_phase(server.target, items, n, jf, label))
             cpu_after = (server.cpu_seconds(with_children=True), grammar.cpu_seconds(), time.process_time())
             after_grammar = grammar.metrics()
-            after = (report.parse_metrics(server.metrics_text()), merged(after_grammar))
+            after = (parse_metrics(server.metrics_text()), merged(after_grammar))
             p = report.phase_aggregates(records, wall, before, after)
             p.update(runner=runner.name, runner_label=runner.label, kind=kind, concurrency=n, jump_forward=jf,
                      grammar_replicas=runner.grammar_replicas,
@@ -374,22 +367,24 @@ def run_vllm_peer(args, model_path: Path, threads: int, out: Path) -> dict:
 # --- the whole run -------------------------------------------------------------------------
 
 
-def run_bench(args) -> int:
+def result_name(args) -> str:
+    return "e2e-bench"
+
+
+def run(args) -> dict:
     from inference_svc.config import InferenceServiceConfig
 
     apply_quick(args)
     runners = [parse_runner(r) for r in args.runners]
     if not runners or not args.concurrency or min(args.concurrency) < 1 or args.max_tokens < 2:
-        raise SystemExit("need at least one runner, concurrency levels >= 1 and --max-tokens >= 2")
+        raise UsageError("need at least one runner, concurrency levels >= 1 and --max-tokens >= 2")
     if not args.grammar_replicas or min(args.grammar_replicas) < 1:
-        raise SystemExit("--grammar-replicas: counts >= 1, e.g. 1,2")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+        raise UsageError("--grammar-replicas: counts >= 1, e.g. 1,2")
+    out = args.out
     threads = InferenceServiceConfig(num_threads=args.torch_threads).torch_threads()
     args.torch_threads = threads
     result: dict = {
-        **result_header(args, report.machine(threads), started),
+        "torch_threads": threads,
         "workload": {"schemas": {name: s for name, s in SCHEMAS}, "max_tokens": args.max_tokens,
                      "sampling": "greedy", "unconstrained": "same prompts, ignore_eos"},
     }
@@ -430,17 +425,7 @@ def run_bench(args) -> int:
                                        mask_wait_share=TARGET_MASK_WAIT_SHARE, tpot_ratio=TARGET_TPOT_RATIO,
                                        throughput_vs_transformers=TARGET_THROUGHPUT_VS_TRANSFORMERS,
                                        vs_vllm=TARGET_VS_VLLM)
-    result["load_average_end"] = load_average()
-    result["duration_seconds"] = time.time() - started
-    m = result["machine"]
+    m = machine()
     result["title"] = (f"structd bench e2e: {m['cpu_model']} x{m['logical_cpus']}, {threads} torch thread(s), "
                        f"max_tokens {args.max_tokens}")
-    (out / "e2e-bench.json").write_text(json.dumps(result, indent=1, default=str))
-    report.plot(result, out / "e2e-bench.png")
-    written = [out / "e2e-bench.json", out / "e2e-bench.png"]
-    if len(args.grammar_replicas) > 1:
-        report.plot_replica_sweep(result, out / "e2e-grammar-replicas.png")
-        written.append(out / "e2e-grammar-replicas.png")
-    print(report.markdown(result))
-    progress(f"wrote {', '.join(map(str, written))} ({result['duration_seconds']:.0f} s in all)")
-    return 0
+    return result

@@ -21,7 +21,9 @@ import numpy as np
 
 from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
 from grammar_svc.schema.json_grammar import json_schema_ebnf
-from structd.bench.grammar.walks import open_stream, progress
+from structd.bench.grammar.walks import open_stream
+from structd.bench.harness import progress
+from structd.bench.stats import summarize
 from grammar_svc.compile.spec import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
@@ -93,12 +95,6 @@ async def _walk(stream, decoder, grammar_id: str, vocab: np.ndarray, has_quote: 
     return rows, chosen
 
 
-def _summ(xs) -> dict:
-    from structd.bench.grammar.report import summarize
-
-    return summarize(xs)
-
-
 async def run_bounded(client: GrammarClient, fp: str, info, lengths: list[int], walks: int, seed: int,
                       local: bool, mask_cache_slots: int | None = None) -> dict:
     import xgrammar as xgr
@@ -155,14 +151,14 @@ async def run_bounded(client: GrammarClient, fp: str, info, lengths: list[int], 
                 stream.cancel()
         inside = [r for r in orig_rows if r["inside"]]
         entry["rows_inside"] = len(inside)
-        entry["server_fill_inside"] = _summ([r["fill"] for r in inside])
-        entry["server_fill_outside"] = _summ([r["fill"] for r in orig_rows if not r["inside"]])
-        entry["rtt_inside"] = _summ([r["rtt"] for r in inside])
+        entry["server_fill_inside"] = summarize([r["fill"] for r in inside])
+        entry["server_fill_outside"] = summarize([r["fill"] for r in orig_rows if not r["inside"]])
+        entry["rtt_inside"] = summarize([r["rtt"] for r in inside])
         entry["fill_by_chars"] = _by_chars(inside)
         if rew_rows:
             rin = [r for r in rew_rows if r["inside"]]
-            entry["rewrite_server_fill_inside"] = _summ([r["fill"] for r in rin])
-            entry["rewrite_rtt_inside"] = _summ([r["rtt"] for r in rin])
+            entry["rewrite_server_fill_inside"] = summarize([r["fill"] for r in rin])
+            entry["rewrite_rtt_inside"] = summarize([r["rtt"] for r in rin])
             entry["rewrite_fill_by_chars"] = _by_chars(rin)
             entry["rewrite_rows"] = len(rew_rows)
             entry["rewrite_mask_mismatches"] = sum(1 for r in rew_rows if not r["same_mask"])
@@ -221,8 +217,8 @@ def _local(compiler, schema: str, ebnf: str | None, token_seqs, vocab, vocab_siz
                 m2.accept_token(tok)
             m.accept_token(tok)
             text += vocab[tok]
-    out["local_fill_inside"] = _summ(f1)
+    out["local_fill_inside"] = summarize(f1)
     if cg2 is not None:
-        out["local_rewrite_fill_inside"] = _summ(f2)
+        out["local_rewrite_fill_inside"] = summarize(f2)
         out["local_rewrite_mask_mismatches"] = mism
     return out

@@ -30,9 +30,13 @@ import random
 import time
 from pathlib import Path
 
-from structd.bench.grammar.walks import (CompileRecord, _compile_once, load_schemas, progress,
-                                         server_default_compile_workers, warm_up_compile_workers)
-from structd.bench.harness import load_average, result_header
+from structd.bench.grammar.server import start_server
+from structd.bench.grammar.walks import (CompileRecord, compile_once, server_default_compile_workers,
+                                         warm_up_compile_workers)
+from structd.bench.harness import machine, progress, pyplot, save_figure
+from structd.bench.harness.metrics import parse_metrics
+from structd.bench.schema_samples import read_jsonl
+from structd.bench.stats import summarize
 
 
 def add_arguments(parser) -> None:
@@ -72,18 +76,14 @@ class _GaugeSampler:
             self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        from prometheus_client.parser import text_string_to_metric_families
-
+        prefix = "grammar_svc_compile_workers{state="
         while True:
             try:
-                text = await asyncio.to_thread(self.server.metrics_text)
+                samples = parse_metrics(await asyncio.to_thread(self.server.metrics_text))
             except OSError:  # the server's metrics endpoint: a missed sample is only a gap in the plot
-                text = ""
+                samples = {}
             row: dict = {"t": time.perf_counter() - self.t0}
-            for fam in text_string_to_metric_families(text):
-                if fam.name == "grammar_svc_compile_workers":
-                    for s in fam.samples:
-                        row[s.labels.get("state", "")] = s.value
+            row.update({k[len(prefix):-1]: v for k, v in samples.items() if k.startswith(prefix)})
             self.samples.append(row)
             await asyncio.sleep(self.interval)
 
@@ -111,7 +111,7 @@ async def _pass(target: str, desc, records: list[CompileRecord], timeout: float,
             nonlocal done
             async with sem:
                 start = time.perf_counter() - t0
-                status, seconds, resp, err = await _compile_once(client, desc.fingerprint, rec.schema_text, timeout)
+                status, seconds, resp, err = await compile_once(client, desc.fingerprint, rec.schema_text, timeout)
             rec.status, rec.cold_seconds, rec.error = status, seconds, err
             rec.server_compile_seconds = resp.compile_duration_seconds if resp is not None else None
             rec.cold_cache_hit = bool(resp is not None and resp.cache_hit)
@@ -128,13 +128,9 @@ async def _pass(target: str, desc, records: list[CompileRecord], timeout: float,
         await client.close()
 
 
-def run_burst(args) -> int:
-    from structd.bench.grammar import report
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    schemas = load_schemas(args.schemas, args.burst_schemas)
+def run_burst(args) -> dict:
+    """The solo pass, the burst and the burst without the slow schemas: their aggregates."""
+    schemas = read_jsonl(args.schemas, args.burst_schemas)
     order = list(range(len(schemas)))
     # Categories are contiguous in the file: shuffle (seeded) so slow and fast schemas interleave.
     random.Random(args.seed).shuffle(order)
@@ -144,11 +140,10 @@ def run_burst(args) -> int:
     from shared.tokenizer import default_description
 
     desc = default_description()
-    result: dict = result_header(args, report.machine(), started)
-
+    result: dict = {}
     workers = args.compile_workers or server_default_compile_workers()
     passes = {}
-    run_tag = f"{int(started)}"
+    run_tag = f"{int(time.time())}"
     for name, concurrency in (("solo", 1), ("burst", args.burst_concurrency), ("fast_only", args.burst_concurrency)):
         chosen = schemas
         if name == "fast_only":
@@ -158,10 +153,7 @@ def run_burst(args) -> int:
         records = _records(chosen, f"structd-burst-{name}-{run_tag}" if args.server else None)
         server = None
         if not args.server:
-            from structd.bench.grammar.server import ServerProcess
-
-            server = ServerProcess(compile_workers=args.compile_workers or None, fill_threads=args.fill_threads or None,
-                                   compile_timeout_seconds=args.compile_timeout, log_path=out / f"server-{name}.log")
+            server = start_server(args, args.out / f"server-{name}.log")
             result.setdefault("server_command", " ".join(server.cmd[1:]))
         target = server.target if server else args.server
         progress(f"{name} pass: {len(records)} schemas, {concurrency} in flight on {target}")
@@ -176,16 +168,10 @@ def run_burst(args) -> int:
         passes[name] = p
         progress(f"{name} pass: {_statuses(records)} in {p['wall_seconds']:.1f} s")
     result.update(burst_aggregates(passes, args.burst_fast_seconds))
-    result["load_average_end"] = load_average()
-    result["duration_seconds"] = time.time() - started
+    m = machine()
     result["title"] = (f"structd bench grammar --compile-burst: {len(schemas)} schemas, {args.burst_concurrency} "
-                       f"in flight, {workers} compile worker(s), {result['machine']['cpu_model']} x"
-                       f"{result['machine']['logical_cpus']}")
-    (out / "compile-burst.json").write_text(json.dumps(result, indent=1))
-    plot_burst(result, out / "compile-burst.png")
-    print(burst_summary_text(result))
-    progress(f"wrote {out / 'compile-burst.json'} and {out / 'compile-burst.png'}")
-    return 0
+                       f"in flight, {workers} compile worker(s), {m['cpu_model']} x{m['logical_cpus']}")
+    return result
 
 
 def _compile_metrics(text: str) -> list[str]:
@@ -203,8 +189,6 @@ def _statuses(records: list[CompileRecord]) -> dict:
 
 
 def burst_aggregates(passes: dict, fast_seconds: float) -> dict:
-    from structd.bench.grammar.report import summarize
-
     solo, burst = passes["solo"]["records"], passes["burst"]["records"]
     rows = []
     for s, b, start in zip(solo, burst, passes["burst"]["starts"]):
@@ -266,12 +250,7 @@ def burst_summary_text(r: dict) -> str:
 
 
 def plot_burst(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(18, 5.5))
     rows = result["schemas"]
     colors = {"ok": "tab:green", "timeout": "tab:red", "invalid": "tab:grey", "error": "tab:purple"}
 
@@ -310,6 +289,4 @@ def plot_burst(result: dict, path: Path) -> None:
            title="grammar_svc_compile_workers during the burst")
 
     fig.suptitle(result.get("title", "compile burst"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

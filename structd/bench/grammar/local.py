@@ -36,7 +36,8 @@ import numpy as np
 
 from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
 from grammar_svc.schema.json_grammar import compile_json_schema, json_schema_ebnf
-from structd.bench.grammar.walks import WalkRun, progress
+from structd.bench.grammar.walks import WalkRun
+from structd.bench.harness import progress
 from grammar_svc.compile.spec import JsonOptions
 
 # xgrammar 0.2.8 matches the characters of a string with minLength/maxLength

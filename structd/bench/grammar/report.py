@@ -1,73 +1,15 @@
-"""`structd bench grammar`: aggregates, the machine description and the plot."""
+"""`structd bench grammar`: aggregates and the plot."""
 
 from __future__ import annotations
 
-import math
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
+from structd.bench.harness import pyplot, save_figure
+from structd.bench.stats import log_edges, log_histogram, summarize
+
 DENSE_WORDS_BYTES = 16_160  # ceil(129280 / 32) * 4, the raw dense row
-
-
-def summarize(xs) -> dict:
-    a = np.asarray([x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))], dtype=float)
-    if a.size == 0:
-        return {"n": 0}
-    return {"n": int(a.size), "mean": float(a.mean()), "min": float(a.min()), "p50": float(np.percentile(a, 50)),
-            "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
-
-
-def log_histogram(xs, lo: float = 1e-7, hi: float = 10.0, per_decade: int = 10) -> dict:
-    """Counts in log-spaced bins (upper edges), for plotting/recomputing distributions later."""
-    a = np.asarray([x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))], dtype=float)
-    counts, _ = np.histogram(np.clip(a, lo, hi), bins=_edges(lo, hi, per_decade))
-    return {"lo": lo, "hi": hi, "per_decade": per_decade, "counts": [int(c) for c in counts]}
-
-
-def _edges(lo: float, hi: float, per_decade: int) -> np.ndarray:
-    return np.logspace(math.log10(lo), math.log10(hi), int(round(math.log10(hi / lo) * per_decade)) + 1)
-
-
-def machine() -> dict:
-    info: dict = {"cpu_model": "unknown", "logical_cpus": os.cpu_count(), "platform": platform.platform(),
-                  "python": platform.python_version()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    try:
-        info["affinity_cpus"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    from importlib import metadata
-
-    versions = {}
-    for dist in ("xgrammar", "grpcio", "protobuf", "numpy", "matplotlib"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    info["versions"] = versions
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                            cwd=Path(__file__).resolve().parents[3], timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parents[3], timeout=10).stdout.split("\n")
-        info["git_modified_files"] = [line[3:] for line in dirty if line.strip()]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
 
 
 def walk_aggregates(run, local=None) -> dict:
@@ -201,12 +143,7 @@ def compile_aggregates(records, local_grammars=None) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
+    fig, axes = pyplot().subplots(2, 3, figsize=(18, 10))
     walks = result.get("walks", [])
     bs = [w["batch"] for w in walks]
 
@@ -289,14 +226,12 @@ def plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=7)
 
     fig.suptitle(result.get("title", "structd bench grammar"), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _cdf(ax, hist: dict, label: str, ls: str = "-") -> None:
     counts = np.asarray(hist["counts"], dtype=float)
     if counts.sum() == 0:
         return
-    edges = _edges(hist["lo"], hist["hi"], hist["per_decade"])
+    edges = log_edges(hist["lo"], hist["hi"], hist["per_decade"])
     ax.plot(edges[1:], np.cumsum(counts) / counts.sum(), ls, label=label)

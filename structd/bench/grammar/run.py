@@ -30,13 +30,15 @@ import json
 import time
 from pathlib import Path
 
+from structd.bench.grammar import report
 from structd.bench.grammar.burst import add_arguments as add_burst_arguments
-from structd.bench.grammar.burst import run_burst
-from structd.bench.grammar.walks import load_schemas, progress, server_default_compile_workers
-from structd.bench.harness import load_average, result_header
-
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_SCHEMAS = REPO.parent / "shared" / "data" / "jsonschemabench-sample.jsonl"
+from structd.bench.grammar.burst import burst_summary_text, plot_burst, run_burst
+from structd.bench.grammar.server import start_server
+from structd.bench.grammar.walks import server_default_compile_workers
+from structd.bench.harness import machine, progress
+from structd.bench.harness.metrics import histogram_delta, parse_metrics
+from structd.bench.schema_samples import default_data, read_jsonl
+from structd.bench.stats import summarize
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,8 +46,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser):
-    parser.add_argument("--out", default="bench-results/grammar", help="output directory (JSON + PNG)")
-    parser.add_argument("--schemas", type=Path, default=DEFAULT_SCHEMAS,
+    parser.add_argument("--schemas", type=Path, default=default_data("jsonschemabench-sample.jsonl"),
                         help="JSON Lines of {dataset, name, schema} (default: the JSONSchemaBench sample)")
     parser.add_argument("--limit", type=int, default=0,
                         help="use N schemas, evenly spaced over the file (keeps every category); 0 = all")
@@ -79,16 +80,15 @@ def add_arguments(parser):
     add_burst_arguments(parser)
 
 
-def run_bench(args) -> int:
+def result_name(args) -> str:
+    return "compile-burst" if args.compile_burst else "grammar-bench"
+
+
+def run(args) -> dict:
     if args.compile_burst:
         return run_burst(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    from structd.bench.grammar import report
-
-    result: dict = result_header(args, report.machine(), started)
-    schemas = load_schemas(args.schemas, args.limit)
+    result: dict = {}
+    schemas = read_jsonl(args.schemas, args.limit)
     progress(f"{len(schemas)} schemas from {args.schemas}")
     progress("loading the default tokenizer")
     from shared.tokenizer import default_description
@@ -96,14 +96,10 @@ def run_bench(args) -> int:
     desc = default_description()
     server = None
     if not args.server:
-        from structd.bench.grammar.server import ServerProcess
-
         progress("starting the grammar server (child process)")
         # The bounded-string micro-benchmark asks for 120 s compile deadlines.
-        extra = ["--cache-bytes", str(8 << 30), "--max-compile-timeout-seconds", "600"]
-        server = ServerProcess(compile_workers=args.compile_workers or None, fill_threads=args.fill_threads or None,
-                               compile_timeout_seconds=args.compile_timeout, log_path=out / "server.log",
-                               extra_args=extra)
+        server = start_server(args, args.out / "server.log",
+                              ("--cache-bytes", str(8 << 30), "--max-compile-timeout-seconds", "600"))
         result["server_command"] = " ".join(server.cmd[1:])
         target = server.target
     else:
@@ -112,12 +108,10 @@ def run_bench(args) -> int:
     try:
         state = asyncio.run(_remote(args, target, desc, schemas, result))
         if server is not None:
-            from structd.bench.grammar.server import histogram_from_metrics
-
             try:
-                text = server.metrics_text()
+                samples = parse_metrics(server.metrics_text())
                 result["server_metrics"] = {
-                    name: histogram_from_metrics(text, name)
+                    name: histogram_delta({}, samples, name)
                     for name in ("grammar_svc_mask_fill_duration_seconds", "grammar_svc_step_duration_seconds")}
             except OSError as e:
                 progress(f"metrics scrape failed: {e}")
@@ -147,16 +141,18 @@ def run_bench(args) -> int:
     result["compile_records"] = [r.summary() for r in records]
     result["walks"] = [report.walk_aggregates(r, local_rows.get(r.batch)) for r in runs]
     result["targets"] = _targets(result)
-    result["load_average_end"] = load_average()
-    result["duration_seconds"] = time.time() - started
-    result["title"] = (f"structd bench grammar: {len(schemas)} schemas, {result['machine']['cpu_model']} x"
-                       f"{result['machine']['logical_cpus']}, xgrammar {result['machine']['versions']['xgrammar']}")
-    (out / "grammar-bench.json").write_text(json.dumps(result, indent=1))
-    report.plot(result, out / "grammar-bench.png")
-    print(_summary_text(result))
-    progress(f"wrote {out / 'grammar-bench.json'} and {out / 'grammar-bench.png'} "
-             f"({result['duration_seconds']:.0f} s in all)")
-    return 0
+    m = machine()
+    result["title"] = (f"structd bench grammar: {len(schemas)} schemas, {m['cpu_model']} x"
+                       f"{m['logical_cpus']}, xgrammar {m['versions']['xgrammar']}")
+    return result
+
+
+def markdown(result: dict) -> str:
+    return burst_summary_text(result) if result["arguments"]["compile_burst"] else _summary_text(result)
+
+
+def plot(result: dict, png: Path) -> None:
+    (plot_burst if result["arguments"]["compile_burst"] else report.plot)(result, png)
 
 
 async def _remote(args, target: str, desc, schemas, result: dict):
@@ -187,8 +183,6 @@ async def _remote(args, target: str, desc, schemas, result: dict):
         grammar_ids = [records[i].grammar_id for i in walk_keys]
         progress("transport floor: empty step messages")
         floor = await bw.floor_phase(client, reg.vocab_size, max(100, args.steps))
-        from structd.bench.grammar.report import summarize
-
         result["empty_step"] = {"rtt_seconds": summarize(floor["rtt"]), "server_seconds": summarize(floor["server"])}
         runs = []
         if grammar_ids:

@@ -11,35 +11,13 @@ from pathlib import Path
 
 from structd.bench.harness import ChildService
 
-__all__ = ["ServerProcess", "histogram_from_metrics"]
 
-
-class ServerProcess(ChildService):
-    """Starts `structd grammar` on a free loopback port; `stop` drains it."""
-
-    def __init__(self, *, compile_workers: int | None, fill_threads: int | None, compile_timeout_seconds: float,
-                 log_path: Path, extra_args: list[str] | None = None):
-        args = ["grammar", "--compile-timeout-seconds", str(compile_timeout_seconds), "--max-sessions", "65536"]
-        if compile_workers:
-            args += ["--compile-workers", str(compile_workers)]
-        if fill_threads:
-            args += ["--fill-threads", str(fill_threads)]
-        super().__init__(args + (extra_args or []), log_path, timeout=180.0)
-
-
-def histogram_from_metrics(text: str, name: str) -> dict:
-    """{bucket upper bound: cumulative count, "sum", "count"} of one unlabelled histogram."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict = {"buckets": {}}
-    for fam in text_string_to_metric_families(text):
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            if s.name.endswith("_bucket"):
-                out["buckets"][s.labels["le"]] = s.value
-            elif s.name.endswith("_sum"):
-                out["sum"] = s.value
-            elif s.name.endswith("_count"):
-                out["count"] = s.value
-    return out
+def start_server(args, log_path: Path, extra_args: tuple[str, ...] = ()) -> ChildService:
+    """`structd grammar` on a free loopback port with the benchmark's --compile-timeout, --compile-workers and
+    --fill-threads (0: the server's defaults); `stop` drains it."""
+    flags = ["grammar", "--compile-timeout-seconds", str(args.compile_timeout), "--max-sessions", "65536"]
+    if args.compile_workers:
+        flags += ["--compile-workers", str(args.compile_workers)]
+    if args.fill_threads:
+        flags += ["--fill-threads", str(args.fill_threads)]
+    return ChildService(flags + list(extra_args), log_path, timeout=180.0)

@@ -37,14 +37,6 @@ def open_stream(client: GrammarClient, vocab_size: int, mask_cache_slots: int | 
     return client.open_stream(), MaskDecoder(vocab_size)
 
 
-def load_schemas(path, limit: int) -> list[dict]:
-    """The JSON Lines schema file's rows; with a limit, that many spread evenly over the file."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if limit and limit < len(rows):
-        rows = [rows[int(i * len(rows) / limit)] for i in range(limit)]
-    return rows
-
-
 def server_default_compile_workers() -> int:
     from grammar_svc.config import GrammarServiceConfig
 
@@ -84,7 +76,7 @@ class CompileRecord:
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}
 
 
-async def _compile_once(client: GrammarClient, fp: str, text: str, timeout: float):
+async def compile_once(client: GrammarClient, fp: str, text: str, timeout: float):
     start = time.perf_counter()
     try:
         resp = await client.compile(fp, json_schema_spec(text), timeout_seconds=timeout, rpc_timeout=timeout + 60)
@@ -96,7 +88,7 @@ async def _compile_once(client: GrammarClient, fp: str, text: str, timeout: floa
 async def warm_up_compile_workers(client: GrammarClient, fp: str, workers: int) -> None:
     """Each compile worker loads the tokenizer on its first job (seconds): pay that before measuring."""
     await asyncio.gather(*[
-        _compile_once(client, fp, json.dumps({"type": "object", "title": f"bench-warmup-{i}"}), 120.0)
+        compile_once(client, fp, json.dumps({"type": "object", "title": f"bench-warmup-{i}"}), 120.0)
         for i in range(max(1, workers))])
 
 
@@ -109,7 +101,7 @@ async def compile_phase(client: GrammarClient, fp: str, records: list[CompileRec
     async def one(rec: CompileRecord):
         nonlocal done
         async with sem:
-            status, seconds, resp, err = await _compile_once(client, fp, rec.schema_text, timeout)
+            status, seconds, resp, err = await compile_once(client, fp, rec.schema_text, timeout)
         rec.status, rec.cold_seconds, rec.error = status, seconds, err
         if resp is not None:
             rec.grammar_id = resp.grammar_id
@@ -125,7 +117,7 @@ async def compile_phase(client: GrammarClient, fp: str, records: list[CompileRec
     await asyncio.gather(*[one(r) for r in records])
     # Cached: the same spec again, one at a time (client-observed unary round trip).
     for i, rec in enumerate(records, 1):
-        status, seconds, resp, _ = await _compile_once(client, fp, rec.schema_text, timeout)
+        status, seconds, resp, _ = await compile_once(client, fp, rec.schema_text, timeout)
         rec.cached_seconds = seconds
         rec.cached_cache_hit = resp.cache_hit if resp is not None else (status != "timeout")
         if i % (progress_every * 8) == 0 or i == len(records):

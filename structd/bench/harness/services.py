@@ -15,12 +15,14 @@ able to look at its internals: `call` runs a coroutine on the server's loop,
 A server that cannot start raises its reason at once (its SystemExit as
 RuntimeError), one that does not start in time says which await it is on,
 and either is stopped before the error reaches the starter.
+
+`grammar_and_inference`: the pair most benchmarks need, grammar replica(s)
+and an inference service wired to them, as children stopped in order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -31,93 +33,13 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 log = logging.getLogger(__name__)
-
-
-def command_line() -> str:
-    """How this benchmark was invoked, for its JSON (`structd ...` when run through the console script)."""
-    return " ".join(["structd"] + sys.argv[1:]) if Path(sys.argv[0]).name == "structd" else " ".join(sys.argv)
-
-
-def arguments(args) -> dict:
-    """A benchmark's parsed arguments as JSON-ready values."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-
-
-def load_average() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []  # the machine's: no /proc (not Linux)
-
-
-def result_header(args, machine: dict, started: float) -> dict:
-    """What every benchmark's JSON starts with: how it was run, on what, and how busy the machine was."""
-    return {"command": command_line(), "arguments": arguments(args), "machine": machine,
-            "load_average_start": load_average(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started))}
-
-
-def write_result(args, machine: dict, started: float, name: str, **fields) -> dict:
-    """Writes <args.out>/<name>.json: the header, the load at the end, the wall time and `fields`; returns it."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = {**result_header(args, machine, started), "load_average_end": load_average(),
-              "wall_seconds": round(time.time() - started, 1), **fields}
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    return result
-
-
-def progress(msg: str) -> None:
-    """A benchmark's progress line, on stderr."""
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def module_at_revision(rev: str, path: str, name: str, replace: tuple[tuple[str, str], ...] = ()):
-    """The module `path` (relative to the repository) as of git revision `rev`, imported as `name` (after
-    the text substitutions in `replace`, e.g. to point its imports at other old modules). Raises
-    subprocess.CalledProcessError when the revision or the file is unknown."""
-    import importlib.util
-    import tempfile
-
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, cwd=REPO, capture_output=True,
-                            text=True).stdout
-    for old, new in replace:
-        source = source.replace(old, new)
-    tmp = tempfile.NamedTemporaryFile("w", suffix=f"_{name}.py", delete=False)
-    tmp.write(source)
-    tmp.close()
-    try:
-        spec = importlib.util.spec_from_file_location(name, tmp.name)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    finally:
-        os.unlink(tmp.name)
-    return module
-
-
-def plot_old_new(rows: list[dict], label: str, old: str, new: str, ylabel: str, path: Path,
-                 width: float = 8.0) -> None:
-    """Old and new medians side by side per row (the old-revision-vs-working-tree benchmarks)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(width, 3.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r[old] for r in rows], width=0.4, label="old")
-    ax.bar([i + 0.2 for i in x], [r[new] for r in rows], width=0.4, label="new")
-    ax.set_xticks(list(x), [r[label] for r in rows], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def free_port() -> int:
@@ -201,6 +123,27 @@ class ChildService:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         self._log.close()
+
+
+@contextmanager
+def grammar_and_inference(logs: Path, name: str, *, replicas: int = 1, grammar_flags: tuple[str, ...] = (),
+                          inference_flags: tuple[str, ...] = ()) -> Iterator[tuple[list[ChildService], ChildService]]:
+    """`replicas` grammar children and an inference child wired to them (logs <logs>/<name>-grammar[i].log and
+    <name>-inference.log); on leaving, or when a start fails, the inference service stops first (it drains while
+    the grammar tier still answers), then the replicas."""
+    started: list[ChildService] = []
+    try:
+        for i in range(replicas):
+            log = logs / (f"{name}-grammar.log" if replicas == 1 else f"{name}-grammar{i}.log")
+            started.append(ChildService(["grammar", *grammar_flags], log))
+        grammar = list(started)
+        targets = ",".join(g.target for g in grammar)
+        started.insert(0, ChildService(["inference", "--grammar-target", targets, *inference_flags],
+                                       logs / f"{name}-inference.log"))
+        yield grammar, started[0]
+    finally:
+        for service in started:
+            service.stop()
 
 
 async def _contained(coro):
