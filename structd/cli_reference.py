@@ -65,6 +65,7 @@ def _commands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.A
 
 
 def _usage(parser: argparse.ArgumentParser) -> str:
+    # argparse wraps at the terminal's width (COLUMNS); the parser was built for this rendering alone.
     parser.formatter_class = functools.partial(argparse.HelpFormatter, width=USAGE_WIDTH)
     return parser.format_usage().strip()
 
