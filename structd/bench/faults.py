@@ -73,20 +73,22 @@ def run_scenario(name: str, args: argparse.Namespace, logs: Path) -> dict:
     flags = ("--simulate-step-ms", str(args.simulate_step_ms),
              "--grammar-step-timeout-seconds", str(args.grammar_step_timeout_seconds), "--num-threads", "1")
     with grammar_and_inference(logs, name, replicas=2, grammar_flags=("--compile-workers", "1"),
-                               inference_flags=flags) as (replicas, inference):
+                               inference_flags=flags) as (grammar, inference):
+        first = grammar.services[0]
+
         async def go() -> list[dict]:
             load = asyncio.ensure_future(_requests(inference.target, args.requests, args.request_timeout_seconds))
             await asyncio.sleep(args.fault_after_seconds)
             if fault is not None and not load.done():
-                progress(f"{name}: {signal.Signals(fault).name} to grammar replica {replicas[0].target}")
-                os.kill(replicas[0].proc.pid, fault)
+                progress(f"{name}: {signal.Signals(fault).name} to grammar replica {first.target}")
+                os.kill(first.proc.pid, fault)
             return await load
 
         try:
             records = asyncio.run(go())
         finally:
-            if fault == signal.SIGSTOP and replicas[0].proc.poll() is None:
-                os.kill(replicas[0].proc.pid, signal.SIGCONT)
+            if fault == signal.SIGSTOP and first.proc.poll() is None:
+                os.kill(first.proc.pid, signal.SIGCONT)
     latencies = [r["latency_seconds"] for r in records]
     statuses: dict[str, int] = {}
     for r in records:

@@ -14,6 +14,21 @@ from structd.bench.stats import summarize
 MS = 1e3
 
 
+def merged(samples: list[dict[str, float]]) -> dict[str, float]:
+    """The replicas' samples as one tier's: counters and histogram buckets add up."""
+    out: dict[str, float] = {}
+    for one in samples:
+        for key, value in one.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def steps_each(before: list[dict[str, float]], after: list[dict[str, float]]) -> list[int]:
+    """Step messages each replica answered between two snapshots: how the tier's load was spread."""
+    key = "grammar_svc_step_duration_seconds_count"
+    return [int(a.get(key, 0.0) - b.get(key, 0.0)) for b, a in zip(before, after)]
+
+
 def server_deltas(before: dict, after: dict, wall: float) -> dict:
     fwd = histogram_delta(before, after, "inference_svc_forward_duration_seconds")
     mw = histogram_delta(before, after, "inference_svc_mask_wait_seconds")

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from structd.bench.e2e import report
-from structd.bench.e2e.grammar_replicas import GrammarReplicas, InProcessService, merged, steps_each
 from structd.bench.e2e.peers import TransformersPeer, run_vllm
 from structd.bench.e2e.workload import SCHEMAS, Work, digest, work
 from structd.bench.e2e.report import markdown, plot  # noqa: F401 - this Benchmark's
 from structd.bench.harness import ChildService, UsageError, machine, progress
+from structd.bench.harness.services import GrammarTier, InProcessService
 from structd.bench.harness.closed_loop import closed_loop
 from structd.bench.harness.metrics import parse_metrics
 
@@ -149,6 +149,14 @@ def inference_config(args, runner: RunnerSpec, grammar_targets: tuple[str, ...],
         engine_process="off" if args.in_process else args.engine_process or "auto",
         engine=EngineConfig(max_num_seqs=max(64, max_n), max_waiting=max(1024, 4 * max_n),
                             default_max_tokens=args.max_tokens)).validate()
+
+
+def start_grammar_in_process(log_path: Path) -> InProcessService:
+    from grammar_svc.config import GrammarServiceConfig
+    from grammar_svc.server import GrammarServer
+
+    server = GrammarServer(GrammarServiceConfig(host="127.0.0.1", port=0, metrics_port=0, max_sessions=65536))
+    return InProcessService(server, f"bench-{log_path.stem}")
 
 
 def start_inference(args, runner: RunnerSpec, grammar_targets: tuple[str, ...], max_n: int, out: Path):
@@ -262,7 +270,7 @@ def phase_requests(args, kind: str, n: int, constrained_lengths: list[int] | Non
     return [(w, args.max_tokens) for w in items]
 
 
-def run_runner(args, runner: RunnerSpec, grammar: GrammarReplicas, out: Path) -> list[dict]:
+def run_runner(args, runner: RunnerSpec, grammar: GrammarTier, out: Path) -> list[dict]:
     max_n = max(args.concurrency)
     progress(f"[{runner.name}] starting the inference server ({runner.label}, "
              f"{'in-process' if args.in_process else 'child process'})")
@@ -284,16 +292,16 @@ def run_runner(args, runner: RunnerSpec, grammar: GrammarReplicas, out: Path) ->
                      + (f"{args.max_tokens}" if len({m for _, m in items}) == 1
                         else f"matched to the constrained ones ({sum(m for _, m in items)} in all)"))
             before_grammar = grammar.metrics()
-            before = (parse_metrics(server.metrics_text()), merged(before_grammar))
+            before = (parse_metrics(server.metrics_text()), report.merged(before_grammar))
             cpu_before = (server.cpu_seconds(with_children=True), grammar.cpu_seconds(), time.process_time())
             records, wall = asyncio.run(run_phase(server.target, items, n, jf, label))
             cpu_after = (server.cpu_seconds(with_children=True), grammar.cpu_seconds(), time.process_time())
             after_grammar = grammar.metrics()
-            after = (parse_metrics(server.metrics_text()), merged(after_grammar))
+            after = (parse_metrics(server.metrics_text()), report.merged(after_grammar))
             p = report.phase_aggregates(records, wall, before, after)
             p.update(runner=runner.name, runner_label=runner.label, kind=kind, concurrency=n, jump_forward=jf,
                      grammar_replicas=runner.grammar_replicas,
-                     grammar_steps_per_replica=steps_each(before_grammar, after_grammar),
+                     grammar_steps_per_replica=report.steps_each(before_grammar, after_grammar),
                      max_tokens=args.max_tokens, records=records,
                      cpu=report.cpu_usage(cpu_before, cpu_after, wall, in_process=args.in_process))
             if kind == "constrained" and jf:
@@ -399,7 +407,9 @@ def run(args) -> dict:
     phases: list[dict] = []
     for count in args.grammar_replicas:
         progress(f"starting {count} grammar server(s) ({'in-process' if args.in_process else 'child process'})")
-        grammar = GrammarReplicas(count, args.in_process, out)
+        # One replica keeps the log name the benchmark always had.
+        logs = [out / ("grammar-server.log" if count == 1 else f"grammar-server-{count}x-{i}.log") for i in range(count)]
+        grammar = GrammarTier(logs, ("--max-sessions", "65536"), start_grammar_in_process if args.in_process else None)
         try:
             progress(f"grammar server(s) at {', '.join(grammar.targets)}")
             for runner in runners:

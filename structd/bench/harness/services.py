@@ -16,6 +16,7 @@ A server that cannot start raises its reason at once (its SystemExit as
 RuntimeError), one that does not start in time says which await it is on,
 and either is stopped before the error reaches the starter.
 
+`GrammarTier`: K grammar replicas seen as one (addresses, samples, CPU).
 `grammar_and_inference`: the pair most benchmarks need, grammar replica(s)
 and an inference service wired to them, as children stopped in order.
 """
@@ -36,6 +37,8 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from structd.bench.harness.metrics import parse_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -125,27 +128,6 @@ class ChildService:
         self._log.close()
 
 
-@contextmanager
-def grammar_and_inference(logs: Path, name: str, *, replicas: int = 1, grammar_flags: tuple[str, ...] = (),
-                          inference_flags: tuple[str, ...] = ()) -> Iterator[tuple[list[ChildService], ChildService]]:
-    """`replicas` grammar children and an inference child wired to them (logs <logs>/<name>-grammar[i].log and
-    <name>-inference.log); on leaving, or when a start fails, the inference service stops first (it drains while
-    the grammar tier still answers), then the replicas."""
-    started: list[ChildService] = []
-    try:
-        for i in range(replicas):
-            log = logs / (f"{name}-grammar.log" if replicas == 1 else f"{name}-grammar{i}.log")
-            started.append(ChildService(["grammar", *grammar_flags], log))
-        grammar = list(started)
-        targets = ",".join(g.target for g in grammar)
-        started.insert(0, ChildService(["inference", "--grammar-target", targets, *inference_flags],
-                                       logs / f"{name}-inference.log"))
-        yield grammar, started[0]
-    finally:
-        for service in started:
-            service.stop()
-
-
 async def _contained(coro):
     """`coro`, with a SystemExit (a server that cannot start says why that way) raised as RuntimeError: asyncio
     lets SystemExit out of the event loop, which ends the loop's thread before the caller's future is resolved,
@@ -211,3 +193,66 @@ class ServiceThread:
         self.call(self.server.stop(0), timeout=60.0)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class InProcessService(ServiceThread):
+    """A server on a thread of this process, with the ChildService interface."""
+
+    def cpu_seconds(self, with_children: bool = False) -> float | None:
+        return None  # shares this process with the client
+
+    def metrics_text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.server.metrics.registry).decode("utf-8")
+
+
+class GrammarTier:
+    """K grammar replicas seen as one: the inference service is given every address and spreads its sessions
+    over them (inference_svc/grammar/grammar_tier.py); a benchmark reads each replica's samples and the tier's
+    CPU seconds added. `start(log)` starts one replica (default: a `structd grammar` child with `flags`)."""
+
+    def __init__(self, logs: list[Path], flags: tuple[str, ...] = (), start=None):
+        start = start or (lambda log: ChildService(["grammar", *flags], log))
+        self.services: list = []
+        try:
+            for log in logs:
+                self.services.append(start(log))
+        except BaseException:  # a replica's start failed (or was interrupted): the ones up are stopped
+            self.stop()
+            raise
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(s.target for s in self.services)
+
+    def metrics(self) -> list[dict[str, float]]:
+        """Each replica's samples now, in replica order."""
+        return [parse_metrics(s.metrics_text()) for s in self.services]
+
+    def cpu_seconds(self) -> float | None:
+        seconds = [s.cpu_seconds() for s in self.services]
+        return None if any(v is None for v in seconds) else sum(seconds)
+
+    def stop(self) -> None:
+        for s in self.services:
+            s.stop()
+
+
+@contextmanager
+def grammar_and_inference(logs: Path, name: str, *, replicas: int = 1, grammar_flags: tuple[str, ...] = (),
+                          inference_flags: tuple[str, ...] = ()) -> Iterator[tuple[GrammarTier, ChildService]]:
+    """`replicas` grammar children and an inference child wired to them (logs <logs>/<name>-grammar[i].log and
+    <name>-inference.log); on leaving, or when a start fails, the inference service stops first (it drains while
+    the grammar tier still answers), then the replicas."""
+    grammar = GrammarTier([logs / (f"{name}-grammar.log" if replicas == 1 else f"{name}-grammar{i}.log")
+                           for i in range(replicas)], grammar_flags)
+    inference = None
+    try:
+        inference = ChildService(["inference", "--grammar-target", ",".join(grammar.targets), *inference_flags],
+                                 logs / f"{name}-inference.log")
+        yield grammar, inference
+    finally:
+        if inference is not None:
+            inference.stop()
+        grammar.stop()
