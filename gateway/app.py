@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,10 +22,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import errors
-from gateway.body import Fields, parse_object
 from gateway.exchange import CLIENT_GONE, ClientGone, EventStream, Record, collect, read, until_disconnect
+from gateway.intake import Intake, Translate
 from gateway.metrics import GatewayMetrics
-from gateway.translation.request import Translated, chat_request, completion_request
+from gateway.translation.request import chat_request, completion_request
 from gateway.translation.response import ChatReply, CompletionReply, model_list, model_object
 from gateway.upstream import Upstream
 
@@ -35,10 +34,10 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class GatewayApp:
-    def __init__(self, upstream: Upstream, metrics: GatewayMetrics, max_body_bytes: int):
+    def __init__(self, upstream: Upstream, metrics: GatewayMetrics, intake: Intake):
         self.upstream = upstream
         self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
+        self.intake = intake
 
     def build(self) -> Starlette:
         return Starlette(routes=[
@@ -74,32 +73,17 @@ class GatewayApp:
 
     # ------------------------------------------------------------------ completions
 
-    async def _body(self, request: Request) -> Fields:
-        too_large = errors.ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
-                                    "invalid_request_error", None, "request_too_large")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise too_large
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > self.max_body_bytes:
-                raise too_large
-            parts.append(part)
-        return parse_object(b"".join(parts))
-
-    async def _generate(self, request: Request, route: str, prefix: str,
-                        translate: Callable[[Fields, str, str], Translated],
+    async def _generate(self, request: Request, route: str, prefix: str, translate: Translate,
                         reply_type: type[ChatReply] | type[CompletionReply]) -> Response:
         record = Record(self.metrics, route)
         call = None
         streaming = False
         try:
-            body = await self._body(request)
             info = await self.upstream.model_info()
             reply_id = f"{prefix}-{uuid.uuid4().hex}"
             request_id = request.headers.get(REQUEST_ID_HEADER) or reply_id
-            translated = translate(body, info.model_id, request_id)
+            # Only the translation outlives the body: what the generation needs, not what the client sent.
+            translated = await self.intake.translated(request, translate, info.model_id, request_id)
             reply = reply_type(translated, reply_id, int(time.time()))
             headers = {REQUEST_ID_HEADER: request_id}
             call = self.upstream.generate(translated.grpc_request)

@@ -19,8 +19,10 @@ import grpc
 from shared import errors
 from shared.status import status_for
 
-# gRPC code -> (HTTP status, OpenAI error type). Retryable codes map to statuses the OpenAI SDKs retry
-# (409, 429, 5xx): ABORTED is the two tiers disagreeing on a token, and a retry is safe.
+# gRPC code -> (HTTP status, OpenAI error type). One rule: a request that can never succeed is a 4xx the
+# OpenAI SDKs do not retry (INVALID_ARGUMENT and its kin: 400; a body too large: 413, an ApiError); "try
+# later" maps to a status they retry (409, 429, 5xx): RESOURCE_EXHAUSTED is overloaded now, UNAVAILABLE a
+# replica gone, ABORTED the two tiers disagreeing on a token, where a retry is safe.
 HTTP_FOR_CODE: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),

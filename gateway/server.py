@@ -22,6 +22,7 @@ import uvicorn
 
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
+from gateway.intake import Intake
 from gateway.metrics import GatewayMetrics
 from gateway.upstream import Upstream
 from shared.service_host import run_until_signalled
@@ -45,6 +46,7 @@ class GatewayServer:
         self.config = config
         self.metrics = GatewayMetrics()
         self.upstream: Upstream | None = None
+        self.intake: Intake | None = None
         self._uvicorn: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
         self._rotation_task: asyncio.Task | None = None
@@ -53,7 +55,8 @@ class GatewayServer:
     async def start(self) -> None:
         c = self.config
         self.upstream = Upstream(c.target, c.model_info_ttl_seconds, c.target_tls)
-        app = GatewayApp(self.upstream, self.metrics, c.max_body_bytes).build()
+        self.intake = Intake(c.max_body_bytes, c.max_body_bytes_in_flight)
+        app = GatewayApp(self.upstream, self.metrics, self.intake).build()
         https, rotation = {}, None
         if c.tls is not None:
             ctx = server_ssl_context(c.tls)
@@ -63,7 +66,8 @@ class GatewayServer:
             self._rotation_task = asyncio.ensure_future(self._rotate(rotation, self.upstream))
         self._uvicorn = _Uvicorn(uvicorn.Config(
             app, host=c.host, port=c.port, lifespan="off", log_config=None, access_log=False,
-            timeout_graceful_shutdown=c.grace_seconds, server_header=False, **https))
+            timeout_graceful_shutdown=c.grace_seconds, server_header=False, limit_concurrency=c.limit_concurrency,
+            **https))
         self._task = asyncio.ensure_future(self._uvicorn.serve())
         while not self._uvicorn.started:
             if self._task.done():

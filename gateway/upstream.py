@@ -4,8 +4,11 @@ One `grpc.aio` channel per process, with round_robin load balancing: a
 `dns:///NAME:PORT` target that resolves to several inference replicas
 spreads requests over all of them (a plain HOST:PORT is one address, where
 round_robin changes nothing). `GetModelInfo`'s answer is cached for
-`--model-info-ttl-seconds`, fetched once for all requests that need it at
-the same moment. Readiness is the inference service's own gRPC health.
+`--model-info-ttl-seconds`; once it is older, requests go on with it while
+one refresh runs in the background (a replica that does not answer costs
+that refresh its deadline, not every request), and only a gateway that has
+never had an answer waits for one. Readiness is the inference service's own
+gRPC health.
 With TLS, a rotated client certificate (see `renew_if_rotated`) is presented
 by a new channel for new requests, while those in flight finish on the old.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import grpc
@@ -24,6 +28,7 @@ from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.grpc_options import CHANNEL_OPTIONS
 from shared.tls import CertificateFiles, ClientTls, aio_channel
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 LOAD_BALANCING = (("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),)
 # A health check or model-info call that takes longer than this means the upstream is not fit to serve.
@@ -45,7 +50,7 @@ class Upstream:
         self._ttl = model_info_ttl_seconds
         self._info: pb.GetModelInfoResponse | None = None
         self._info_at = 0.0
-        self._info_lock = asyncio.Lock()
+        self._refresh: asyncio.Task | None = None
 
     def _connect(self) -> None:
         self.channel = aio_channel(self.target, self.tls, CHANNEL_OPTIONS + LOAD_BALANCING)
@@ -69,12 +74,25 @@ class Upstream:
         return self.stub.Generate(request)
 
     async def model_info(self) -> pb.GetModelInfoResponse:
-        """The served model's info, at most `model_info_ttl_seconds` old; raises the RPC's error."""
-        async with self._info_lock:
-            if self._info is None or time.monotonic() - self._info_at > self._ttl:
-                self._info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=PROBE_TIMEOUT_SECONDS)
-                self._info_at = time.monotonic()
+        """The served model's info: the cached answer, refreshed in the background once older than
+        `model_info_ttl_seconds`; with none cached, the first answer, or the RPC's error."""
+        if self._refresh is None and (self._info is None or time.monotonic() - self._info_at > self._ttl):
+            self._refresh = asyncio.ensure_future(self._fetch_info())
+            self._refresh.add_done_callback(self._refreshed)
+        if self._info is not None:
             return self._info
+        return await asyncio.shield(self._refresh)  # one waiter leaving does not cancel it for the others
+
+    async def _fetch_info(self) -> pb.GetModelInfoResponse:
+        info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=PROBE_TIMEOUT_SECONDS)
+        self._info, self._info_at = info, time.monotonic()
+        return info
+
+    def _refreshed(self, task: asyncio.Task) -> None:
+        self._refresh = None
+        if not task.cancelled() and task.exception() is not None and self._info is not None:
+            # The upstream's: requests go on with the cached info; the next one after this tries again.
+            log.warning("model info refresh failed (serving the cached info): %s", task.exception())
 
     async def ready(self) -> bool:
         """The inference service answers SERVING (it is connected, loaded and not draining)."""
@@ -86,6 +104,8 @@ class Upstream:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
         for task in self._retiring:
             task.cancel()
         await self.channel.close()

@@ -15,9 +15,10 @@ from tests.conftest import REPO
 
 def test_environment_twins_are_defaults_and_flags_win():
     env = {"STRUCTD_GATEWAY_PORT": "8080", "STRUCTD_GATEWAY_TARGET": "dns:///inference:50051",
-           "STRUCTD_GATEWAY_MODEL_INFO_TTL_SECONDS": "0.5"}
+           "STRUCTD_GATEWAY_MODEL_INFO_TTL_SECONDS": "0.5", "STRUCTD_GATEWAY_LIMIT_CONCURRENCY": "64"}
     cfg = config.from_args(build_parser(env).parse_args(["gateway"]))
     assert (cfg.port, cfg.target, cfg.model_info_ttl_seconds) == (8080, "dns:///inference:50051", 0.5)
+    assert cfg.limit_concurrency == 64
     assert config.from_args(build_parser(env).parse_args(["gateway", "--port", "9000"])).port == 9000
 
 
@@ -31,6 +32,8 @@ def test_a_malformed_variable_is_a_usage_error_naming_it(capsys):
     pytest.param(["--target", " "], "--target", id="target"),
     pytest.param(["--port", "70000"], "--port", id="port"),
     pytest.param(["--max-body-bytes", "10"], "--max-body-bytes", id="max-body-bytes"),
+    pytest.param(["--max-body-bytes-in-flight", "2048"], "--max-body-bytes-in-flight", id="in-flight-below-one-body"),
+    pytest.param(["--limit-concurrency", "0"], "--limit-concurrency", id="limit-concurrency"),
     pytest.param(["--model-info-ttl-seconds", "-1"], "--model-info-ttl-seconds", id="ttl"),
 ])
 def test_invalid_configuration_names_the_flag(argv, message):

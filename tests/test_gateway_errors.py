@@ -8,7 +8,7 @@ import httpx2
 import openai
 import pytest
 
-from gateway.errors import from_exception, from_status
+from gateway.errors import ApiError, from_exception, from_status
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -73,19 +73,57 @@ def test_raw_http_errors_are_openai_shaped(gateway_url, method, path, content, s
     assert_openai_shaped(r.json(), "invalid_request_error")
 
 
-@pytest.mark.parametrize("code, status", [
-    pytest.param(grpc.StatusCode.INVALID_ARGUMENT, 400, id="invalid-argument"),
-    pytest.param(grpc.StatusCode.NOT_FOUND, 404, id="not-found"),
-    pytest.param(grpc.StatusCode.ABORTED, 409, id="aborted-is-retried-by-the-sdks"),
-    pytest.param(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, id="resource-exhausted"),
-    pytest.param(grpc.StatusCode.INTERNAL, 500, id="internal"),
-    pytest.param(grpc.StatusCode.UNAVAILABLE, 503, id="unavailable"),
-    pytest.param(grpc.StatusCode.DEADLINE_EXCEEDED, 504, id="deadline-exceeded"),
+# One rule (issue 24): a request that can never succeed is a 4xx the OpenAI SDKs do not retry; "try later"
+# (overloaded, a replica gone, a token the two tiers disagreed on) is a status they retry (408, 409, 429, 5xx).
+NEVER_SUCCEEDS, TRY_LATER = "never succeeds", "try later"
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    pytest.param(grpc.StatusCode.INVALID_ARGUMENT, 400, NEVER_SUCCEEDS, id="invalid-argument"),
+    pytest.param(grpc.StatusCode.FAILED_PRECONDITION, 400, NEVER_SUCCEEDS, id="failed-precondition"),
+    pytest.param(grpc.StatusCode.OUT_OF_RANGE, 400, NEVER_SUCCEEDS, id="out-of-range"),
+    pytest.param(grpc.StatusCode.UNAUTHENTICATED, 401, NEVER_SUCCEEDS, id="unauthenticated"),
+    pytest.param(grpc.StatusCode.PERMISSION_DENIED, 403, NEVER_SUCCEEDS, id="permission-denied"),
+    pytest.param(grpc.StatusCode.NOT_FOUND, 404, NEVER_SUCCEEDS, id="not-found"),
+    pytest.param(grpc.StatusCode.ABORTED, 409, TRY_LATER, id="aborted-is-retried-by-the-sdks"),
+    pytest.param(grpc.StatusCode.ALREADY_EXISTS, 409, TRY_LATER, id="already-exists"),
+    pytest.param(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, TRY_LATER, id="resource-exhausted"),
+    pytest.param(grpc.StatusCode.CANCELLED, 499, NEVER_SUCCEEDS, id="cancelled-only-logs-see-it"),
+    pytest.param(grpc.StatusCode.UNIMPLEMENTED, 501, TRY_LATER, id="unimplemented-a-deployment-fault"),
+    pytest.param(grpc.StatusCode.UNAVAILABLE, 503, TRY_LATER, id="unavailable"),
+    pytest.param(grpc.StatusCode.DEADLINE_EXCEEDED, 504, TRY_LATER, id="deadline-exceeded"),
+    pytest.param(grpc.StatusCode.INTERNAL, 500, TRY_LATER, id="internal"),
+    pytest.param(grpc.StatusCode.UNKNOWN, 500, TRY_LATER, id="unknown"),
+    pytest.param(grpc.StatusCode.DATA_LOSS, 500, TRY_LATER, id="data-loss"),
 ])
-def test_grpc_codes_map_to_http_statuses(code, status):
+def test_grpc_codes_map_to_http_statuses(openai_sdk, code, status, kind):
     error = from_status(code, "internal error (incident 0123456789ab); see the server log")
     assert error.status == status and error.code == code.name.lower()
     assert error.message == "internal error (incident 0123456789ab); see the server log", "passed on as it is"
+    retried = openai_sdk._should_retry(httpx2.Response(status))
+    assert retried == (kind == TRY_LATER), f"the OpenAI SDKs {'retry' if retried else 'do not retry'} {status}"
+
+
+def test_every_grpc_code_has_a_row():
+    rows = {p.values[0] for p in test_grpc_codes_map_to_http_statuses.pytestmark[0].args[1]}
+    assert rows == set(grpc.StatusCode) - {grpc.StatusCode.OK}
+
+
+@pytest.mark.parametrize("error, status", [
+    pytest.param(ApiError(413, "too large", "invalid_request_error"), 413, id="too-large-never-succeeds"),
+    pytest.param(ApiError(503, "overloaded", "service_unavailable_error"), 503, id="overloaded-try-later"),
+])
+def test_the_gateways_own_answers_follow_the_rule(openai_sdk, error, status):
+    assert from_exception(error).status == status
+    assert openai_sdk._should_retry(httpx2.Response(status)) == (status >= 500)
+
+
+@pytest.fixture(scope="module")
+def openai_sdk():
+    """An OpenAI SDK client, for its own retry rule (no request is made)."""
+    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused")
+    yield client
+    client.close()
 
 
 def test_a_gateway_bug_is_a_500_with_an_incident_id():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.body import Fields
+from gateway.body import Fields, ShapeError, loads
 from gateway.errors import ModelNotFoundError
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 
@@ -99,9 +99,11 @@ def sampling(body: Fields, max_tokens: int | None) -> pb.SamplingParams:
     # vLLM's -1 (and 0) disable top_k.
     top_k = body.integer("top_k", 0, minimum=-1)
     s.top_k = max(top_k, 0)
-    seed = body.integer("seed", None, minimum=0, maximum=2**64 - 1)
+    # The proto's seed is a uint64; OpenAI and vLLM also take negative seeds: one maps to its 64-bit two's
+    # complement (-1 is the seed 2**64 - 1), so every int64 and every uint64 is a seed.
+    seed = body.integer("seed", None, minimum=-(2**63), maximum=2**64 - 1)
     if seed is not None:
-        s.seed = seed
+        s.seed = seed % 2**64
     if body.raw("repetition_penalty") is not None and s.repetition_penalty == 0:
         raise body.fail("repetition_penalty", "'repetition_penalty' must be positive (1 disables it).")
     return s
@@ -119,17 +121,23 @@ def _stream(body: Fields) -> tuple[bool, bool]:
 
 
 def _json_text(fields: Fields, key: str) -> str:
-    """An object given inline or as JSON text, as JSON text."""
+    """An object given inline or as JSON text, as JSON text (NaN and Infinity, which json.loads accepts, are
+    not JSON and are refused here rather than passed on)."""
     value = fields.raw(key)
     if isinstance(value, str):
         try:
-            json.loads(value)
+            loads(value.encode(), f"'{fields.name(key)}'", strict_numbers=True)
+        except ShapeError as e:  # the client's: answered 400 naming the limit
+            raise fields.fail(key, str(e)) from None
         except ValueError as e:  # the client's: answered 400
             raise fields.fail(key, f"'{fields.name(key)}' is not valid JSON: {e}") from None
         return value
     if not isinstance(value, dict):
         raise fields.fail(key, f"'{fields.name(key)}' must be an object (or its JSON text).")
-    return json.dumps(value)
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError as e:  # the client's: a NaN or an Infinity in it
+        raise fields.fail(key, f"'{fields.name(key)}' is not valid JSON: {e}") from None
 
 
 def _structured_kind(so: Fields, c: pb.Constraint) -> str | None:
