@@ -36,12 +36,12 @@ from pathlib import Path
 from structd.bench import validity_e2e
 from structd.bench.harness import UsageError, progress, pyplot, save_figure
 from structd.bench.harness.children import each_in_a_child
-from structd.bench.schema_samples import CLOSING, closing_bias, default_data, default_vocab, load_rows, validation_cause
+from structd.bench.schema_samples import CLOSING  # noqa: F401 - what tests/test_json_validity.py walks with
+from structd.bench.schema_samples import closing_bias, default_data, default_vocab, load_rows, validation_cause
 
 ENGINES = ("xgrammar", "structd")
 # The reference the issue names: another library's grammar for the same schema, on the same tokenizer.
 REFERENCE = "llguidance"
-__all__ = ["CLOSING", "walk"]  # CLOSING: what tests/test_json_validity.py walks with
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
