@@ -10,8 +10,10 @@ that can stop forwarding (a black-holed replica) between a gateway and it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
+import uuid
 
 import httpx2
 import pytest
@@ -85,6 +87,28 @@ def test_many_small_values_are_413_naming_the_limit(gateway_url, served_model):
 ])
 def test_deep_nesting_is_400_naming_the_limit(gateway_url, served_model, route, raw, param):
     assert_refused(post(gateway_url, route, raw), 400, param, f"deeper than {MAX_NESTING} levels")
+    assert_ordinary_request_works(gateway_url, served_model)
+
+
+def test_the_parsed_body_is_not_kept_while_its_generation_runs(gateway_url, served_model, inference_server):
+    """Unknown fields (and the rest of the parsed body) are gone once the request is translated: the generation
+    keeps only its GenerateRequest."""
+    marker = f"unknown_{uuid.uuid4().hex}"
+    # Written as text: no dict in this process holds the marker but the gateway's parsed body.
+    raw = (f'{{"model": "{served_model}", "prompt": "Once", "max_tokens": 256, "ignore_eos": true, '
+           f'"{marker}": [1]}}').encode()
+    running = lambda: inference_server.server.metrics.registry.get_sample_value(  # noqa: E731
+        "inference_svc_num_requests_running") or 0
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=post(gateway_url, "completions", raw)), daemon=True)
+    t.start()
+    wait_until(lambda: running() >= 1 or not t.is_alive(), "the request reached the engine")
+    kept = [o for o in gc.get_objects() if type(o) is dict and marker in o]
+    still_generating = running() >= 1 and t.is_alive()
+    t.join(120)
+    assert box["r"].status_code == 200
+    assert still_generating, "the generation ended before the look at the gateway's objects: give it more tokens"
+    assert not kept
     assert_ordinary_request_works(gateway_url, served_model)
 
 
