@@ -1,0 +1,191 @@
+"""What the device check runs: its phases, each a list of steps, each one command with its own time budget.
+
+Every step is a subprocess driven through a command line that outlives
+refactors of the code behind it (`pytest -m cuda`, `structd bench e2e`,
+`structd bench grammar`, random_llama.py), so the plan only names flags.
+The GPU plan and the CPU smoke's are the same steps on different sizes: the
+smoke runs each kind of step once on tiny shapes, so a flag that a bench
+drops or renames fails `make test` rather than the next rare GPU run.
+
+Budgets are seconds of the whole run's (the issue's 8 minutes): a step may
+also use what the steps before it left unused, never what the steps after it
+were given (device_check's `step_timeout`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 1024**3
+# The issue's targets for the simulated 2 ms host path (docs/benchmarks.md, "On a GPU").
+TPOT_RATIO_TARGET = {1: 1.10, 2: 1.05}
+MASK_WAIT_TARGET = 0.03
+# Fewer seconds than this left for a step: it is recorded as skipped rather than started to be killed.
+MIN_STEP_SECONDS = 10.0
+
+
+@dataclass
+class Step:
+    phase: str
+    name: str
+    argv: list[str]
+    budget: float  # seconds of the run's budget this step may use (plus what earlier steps left)
+    env: dict[str, str] = field(default_factory=dict)
+    kind: str = "command"  # pytest, e2e, grammar, build: how its output is summarised
+    needs: str | None = None  # a step that must have succeeded first (a model build)
+    skip: str | None = None  # why the step is not run here (set before the run)
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    title: str
+    what: str
+
+
+PHASES = (
+    Phase("setup", "Versions", "the carried wheels import; torch, transformers, triton, xgrammar and the device"),
+    Phase("correctness", "Correctness on CUDA",
+          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py): CUDA vs CPU reference, compiled "
+          "body vs eager, sparse vs full head, logprobs and min_tokens, the engine-core process end to end"),
+    Phase("realistic", "Realistic shapes",
+          "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
+          "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas"),
+    Phase("host", "Host path",
+          "the simulated 2 ms and 5 ms runners at N = 32, 64 with 1 and 2 grammar replicas; the grammar "
+          "replica's round trip at 32/128/256 sessions with 1, 4 and 8 fill threads"),
+)
+
+
+def python() -> list[str]:
+    return [sys.executable]
+
+
+def structd(*args: str) -> list[str]:
+    return [*python(), "-m", "structd", *args]
+
+
+def kv_cache_bytes(device_memory: int | None, weight_bytes: int) -> int:
+    """Half of what the weights and a working margin leave of the device's memory, 1 to 16 GiB."""
+    if not device_memory:
+        return GiB
+    return int(min(16 * GiB, max(GiB, 0.5 * (device_memory - weight_bytes - 6 * GiB))))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The knobs that differ between the GPU run and the CPU smoke."""
+
+    shapes: tuple[str, ...]
+    dtype: str
+    device: str
+    concurrency: str
+    replicas: tuple[int, ...]
+    max_tokens: int
+    requests: int
+    waves: int
+    compiled: dict  # shape -> compile buckets (empty: no compiled run of that shape)
+    sims: str
+    sim_concurrency: str
+    sim_replicas: tuple[int, ...]
+    sim_requests: int
+    sim_waves: int
+    grammar_batches: str
+    grammar_steps: int
+    grammar_limit: int
+    fill_threads: tuple[int, ...]
+    budgets: dict  # step name prefix -> seconds
+
+
+GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency="1,32,128", replicas=(1, 4),
+            max_tokens=32, requests=8, waves=1, compiled={"0.5b": "32,128", "8b": "128"},
+            sims="sim2,sim5", sim_concurrency="32,64", sim_replicas=(1, 2), sim_requests=32, sim_waves=2,
+            grammar_batches="32,128,256", grammar_steps=100, grammar_limit=32, fill_threads=(1, 4, 8),
+            budgets={"versions": 20, "pytest": 120, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
+                     "e2e-0.5b-eager": 25, "build-8b": 35, "e2e-8b-eager-g1": 40, "e2e-8b-eager": 30,
+                     "e2e-0.5b-compiled": 40, "e2e-8b-compiled": 0, "e2e-sim": 30, "grammar": 18})
+SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="1,2", replicas=(1,),
+              max_tokens=4, requests=2, waves=1, compiled={}, sims="sim2", sim_concurrency="2", sim_replicas=(1,),
+              sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2, fill_threads=(1,),
+              budgets={"versions": 60, "pytest": 120, "build": 60, "e2e": 120, "grammar": 120})
+
+
+def budget(sizes: Sizes, name: str) -> float:
+    for prefix in sorted(sizes.budgets, key=len, reverse=True):
+        if name.startswith(prefix):
+            return float(sizes.budgets[prefix])
+    return 30.0
+
+
+def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path, device_memory: int | None,
+         cuda: bool, only: set[str] | None = None) -> list[Step]:
+    """The steps in run order (those of phases not in `only` left out)."""
+    from random_llama import parameter_count
+
+    sizes = SMOKE if smoke else GPU
+    steps: list[Step] = []
+
+    def add(phase, name, argv, **kw):
+        if only is None or phase in only:
+            steps.append(Step(phase, name, argv, budget(sizes, name), **kw))
+
+    add("setup", "versions", [*python(), str(repo / "scripts" / "device" / "versions.py")], kind="versions")
+    add("correctness", "pytest-cuda",
+        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "-q", "-p", "no:cacheprovider",
+         "-o", "addopts=", "-rs", f"--junitxml={work / 'pytest-cuda' / 'junit.xml'}"],
+        env={"CUDA_LAUNCH_BLOCKING": "1"}, kind="pytest")
+
+    no_gpu = None if smoke or cuda else "no CUDA device here (the realistic shapes need one; --cpu-smoke runs tiny ones)"
+    e2e_common = ["--concurrency", sizes.concurrency, "--max-tokens", str(sizes.max_tokens),
+                  "--requests", str(sizes.requests), "--waves", str(sizes.waves), "--no-peers",
+                  "--no-jump-forward-phase", "--no-mixed", "--dtype", sizes.dtype]
+
+    def e2e_env(shape: str, compile_buckets: str | None) -> dict[str, str]:
+        weight_bytes = parameter_count(shape) * (4 if sizes.dtype == "float32" else 2)
+        env = {"STRUCTD_INFERENCE_MODEL": str(model_root / f"llama-{shape}"),
+               "STRUCTD_INFERENCE_DEVICE": sizes.device,
+               "STRUCTD_INFERENCE_KV_CACHE_BYTES": str(kv_cache_bytes(device_memory, weight_bytes)),
+               "STRUCTD_INFERENCE_COMPILE": "default" if compile_buckets else "off",
+               "STRUCTD_INFERENCE_COMPILE_CACHE_DIR": str(work / "inductor")}
+        if compile_buckets:
+            env["STRUCTD_INFERENCE_COMPILE_BUCKETS"] = compile_buckets
+        return env
+
+    for shape in sizes.shapes:
+        add("realistic", f"build-{shape}",
+            [*python(), str(repo / "scripts" / "device" / "random_llama.py"), "--shape", shape, "--dtype", sizes.dtype,
+             "--device", sizes.device, "--out", str(model_root / f"llama-{shape}")], kind="build", skip=no_gpu,
+            label=f"{shape}: random {sizes.dtype} weights")
+        # One bench run per replica count: a run cut off by its budget loses only its own count's figures.
+        for replicas in sizes.replicas:
+            add("realistic", f"e2e-{shape}-eager-g{replicas}",
+                structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-eager-g{replicas}"), "--runners", "model",
+                        "--grammar-replicas", str(replicas), *e2e_common),
+                env=e2e_env(shape, None), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
+                label=f"{shape} eager, {replicas} grammar replica(s)")
+    for shape, buckets in sizes.compiled.items():
+        add("realistic", f"e2e-{shape}-compiled",
+            structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-compiled"), "--runners", "model",
+                    "--grammar-replicas", "1", *e2e_common),
+            env=e2e_env(shape, buckets), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
+            label=f"{shape} compiled, buckets {buckets}")
+
+    for replicas in sizes.sim_replicas:
+        add("host", f"e2e-sim-g{replicas}",
+            structd("bench", "e2e", "--out", str(work / f"e2e-sim-g{replicas}"), "--runners", sizes.sims,
+                    "--concurrency", sizes.sim_concurrency, "--grammar-replicas", str(replicas),
+                    "--max-tokens", str(sizes.max_tokens), "--requests", str(sizes.sim_requests),
+                    "--waves", str(sizes.sim_waves), "--no-peers",
+                    *(["--no-jump-forward-phase", "--no-mixed"] if smoke else [])),
+            kind="e2e", label=f"{sizes.sims} at N {sizes.sim_concurrency}, {replicas} grammar replica(s)")
+    for threads in sizes.fill_threads:
+        add("host", f"grammar-fill{threads}",
+            structd("bench", "grammar", "--out", str(work / f"grammar-fill{threads}"), "--schemas", str(schemas),
+                    "--limit", str(sizes.grammar_limit), "--batch-sizes", sizes.grammar_batches,
+                    "--steps", str(sizes.grammar_steps), "--warmup-steps", "1" if smoke else "10", "--no-local",
+                    "--bounded-lengths", "", "--fill-threads", str(threads), "--compile-timeout", "5"),
+            kind="grammar", label=f"{threads} fill thread(s)")
+    return steps
