@@ -19,8 +19,9 @@ from grammar_svc.step.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.output_check import OutputChecks
 from grammar_svc.step.sessions import SessionLimiter, StreamSessions
-from grammar_svc.compile.spec import GrammarSpec, JsonOptions, Kind, Whitespace
+from grammar_svc.compile.spec import GrammarSpec
 from grammar_svc.step.stepper import SessionOp, Status, Stepper
+from grammar_svc.types import JsonOptions, Kind, Whitespace
 from shared import status as status_map
 from shared.errors import InvalidGrammarError
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb

@@ -15,8 +15,8 @@
   repository's modules, whether the import runs at load time, in a function,
   or only under TYPE_CHECKING (a cycle that type checking needs is still two
   modules that cannot be read apart; the value types both sides name go in
-  the service's leaf module, inference_svc/types.py, which imports nothing of
-  the service at all);
+  the service's leaf module, inference_svc/types.py or grammar_svc/types.py,
+  which imports nothing of the service at all);
 - every import of a repository module names one that exists (a module moved
   without all of its importers following is found here, not by the first
   process that runs the line);
@@ -77,12 +77,14 @@ LAYERS = {
         "core": ("api", "engine", "grammar", "model", "types", "config", "metrics"),
     },
     "grammar_svc": {
+        # A constraint's kind and JSON options: the leaf, importing nothing of the service.
+        "types": (),
         # JSON Schema to grammar text: pure, no compiler.
-        "schema": (),
+        "schema": ("types",),
         # Tokenizers, compiling in worker processes, the compiled-grammar cache.
-        "compile": ("schema", "metrics"),
+        "compile": ("schema", "types", "metrics"),
         # The per-step path: sessions, masks, jump-forward.
-        "step": ("compile", "metrics"),
+        "step": ("compile", "types", "metrics"),
     },
 }
 
@@ -461,7 +463,7 @@ def broken(tmp_path) -> Path:
     (domain_modules_import_no_grpc_nor_stubs, ["inference_svc/engine/request.py:6 imports google.protobuf"]),
     (each_layer_imports_only_the_layers_below, [
         "grammar_svc/schema/normalise.py:1 imports grammar_svc.step.session (grammar_svc/schema may import "
-        "nothing of the service)",
+        "types)",
         "inference_svc/model/runner.py:1 imports inference_svc.engine.request (inference_svc/model may import "
         "model/head, config)",
         "inference_svc/types.py:3 imports inference_svc.engine.request (inference_svc/types may import nothing "

@@ -20,7 +20,8 @@ import xgrammar as xgr
 
 from grammar_svc.schema.json_grammar import GRAMMAR_REVISION, compile_json_schema, normalised_schema_text
 from grammar_svc.schema.schema_normalise import normalise_schema
-from grammar_svc.compile.spec import GrammarSpec, JsonOptions, Kind
+from grammar_svc.compile.spec import GrammarSpec
+from grammar_svc.types import JsonOptions, Kind
 from structd.bench.validity import CLOSING, walk
 from tests.conftest import load_jsonl, shared_data
 

@@ -22,7 +22,7 @@ import xgrammar as xgr
 from grammar_svc.schema.bounded_patterns import patterns_as_bounded_strings
 from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
 from grammar_svc.schema.json_grammar import compile_json_schema, json_schema_ebnf
-from grammar_svc.compile.spec import JsonOptions
+from grammar_svc.types import JsonOptions
 
 
 @pytest.fixture(scope="module")

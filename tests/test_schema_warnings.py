@@ -23,7 +23,7 @@ import pytest
 import xgrammar as xgr
 
 from grammar_svc.schema.schema_warnings import ENFORCED_FORMATS, IGNORED_KEYWORDS, MAX_WARNINGS, scan
-from grammar_svc.compile.spec import JsonOptions
+from grammar_svc.types import JsonOptions
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
 from tests.conftest import run

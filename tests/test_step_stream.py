@@ -21,7 +21,7 @@ import pytest
 import xgrammar as xgr
 
 from grammar_svc.schema.json_grammar import compile_json_schema
-from grammar_svc.compile.spec import JsonOptions
+from grammar_svc.types import JsonOptions
 from shared.codec import allowed_ids, words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks

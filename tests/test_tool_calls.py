@@ -17,7 +17,8 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.compile.spec import GrammarSpec, Kind, compile_spec
+from grammar_svc.compile.spec import GrammarSpec, compile_spec
+from grammar_svc.types import Kind
 
 from inference_svc.types import Constraint, JsonOptions
 from inference_svc.api.model_family import ModelFamily, load_family

@@ -31,8 +31,9 @@ from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
 from grammar_svc.metrics import GrammarMetrics
-from grammar_svc.compile.spec import GrammarSpec, Kind, compile_spec
+from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
+from grammar_svc.types import Kind
 from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, LimitExceededError,
                            NotFoundError, StructdError)
 

@@ -73,7 +73,8 @@ def serve(conn) -> None:
     import xgrammar as xgr
 
     from grammar_svc.schema import schema_warnings
-    from grammar_svc.compile.spec import Kind, compile_spec
+    from grammar_svc.compile.spec import compile_spec
+    from grammar_svc.types import Kind
 
     compilers: dict[str, object] = {}
     capture = _StderrCapture()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grammar_svc.compile.spec import GrammarSpec, JsonOptions, Kind, Whitespace
+from grammar_svc.compile.spec import GrammarSpec
+from grammar_svc.types import JsonOptions, Kind, Whitespace
 from shared.errors import InvalidGrammarError
 
 

@@ -30,6 +30,7 @@ from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
 from grammar_svc.schema.json_strings import fix_string_characters
 from grammar_svc.schema.regex_strings import escape_regex_strings
 from grammar_svc.schema.schema_normalise import normalise_schema
+from grammar_svc.types import JsonOptions, Whitespace
 
 # Bump whenever this path can compile a schema to a different grammar.
 GRAMMAR_REVISION = "json-grammar-6"
@@ -42,7 +43,7 @@ def normalised_schema_text(schema_text: str) -> str:
     return schema_text if normalised == schema else json.dumps(normalised, ensure_ascii=False)
 
 
-def json_schema_ebnf(schema_text: str, json_options, *, xgrammar_only: bool = False) -> str:
+def json_schema_ebnf(schema_text: str, json_options: JsonOptions, *, xgrammar_only: bool = False) -> str:
     """The EBNF for a schema with the service's options, before the tail-form rewrite.
 
     With xgrammar_only, xgrammar's own EBNF for the schema as given (what xgrammar alone compiles).
@@ -53,8 +54,7 @@ def json_schema_ebnf(schema_text: str, json_options, *, xgrammar_only: bool = Fa
         return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
     ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text), **json_options.xgrammar_kwargs()))
     ebnf = escape_regex_strings(fix_string_characters(ebnf)[0])[0]
-    # (spec.Whitespace is a str enum; spec.py imports this module, so its name is compared.)
-    return _compact_free_values(ebnf) if json_options.whitespace == "compact" else ebnf
+    return _compact_free_values(ebnf) if json_options.whitespace == Whitespace.COMPACT else ebnf
 
 
 # xgrammar's rules for the items of an untyped array / object, with the ", " it hard-codes.
@@ -68,7 +68,7 @@ def _compact_free_values(ebnf: str) -> str:
     return ebnf
 
 
-def compile_json_schema(compiler, schema_text: str, json_options, *, rewrite: bool = True):
+def compile_json_schema(compiler, schema_text: str, json_options: JsonOptions, *, rewrite: bool = True):
     """A JSON Schema compiled the service's way (bounded strings in tail form unless rewrite=False)."""
     ebnf = json_schema_ebnf(schema_text, json_options)
     if rewrite:

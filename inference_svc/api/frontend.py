@@ -50,8 +50,8 @@ class ServingEngine(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
-                     jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
+                     jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
                      max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> SubmittedRequest:
         ...
 
@@ -111,9 +111,9 @@ class Frontend:
             prompt = Prompt(text, templated=True)
         else:
             prompt = Prompt(r.prompt, tuple(r.prompt_token_ids))
-        return await self.engine.submit(prompt, r.options, constraint, r.jump_forward, r.request_id,
-                                        reasoning=r.reasoning, max_thinking_tokens=r.max_thinking_tokens,
-                                        tool_parser=parser)
+        return await self.engine.submit(prompt, r.options, constraint=constraint, jump_forward=r.jump_forward,
+                                        request_id=r.request_id, reasoning=r.reasoning,
+                                        max_thinking_tokens=r.max_thinking_tokens, tool_parser=parser)
 
     @staticmethod
     def _no_tools(r: ClientRequest) -> None:

@@ -44,7 +44,7 @@ class ProtocolError(ConnectionError):
     """The other end sent something that is not a frame of this protocol."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSubmit:
     """Engine.submit's arguments, as the API server's EngineClient received them."""
 

@@ -147,8 +147,8 @@ class EngineClient:
 
     # --- requests ------------------------------------------------------------
 
-    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
-                     jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
+                     jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
                      max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> RemoteRequest:
         """As Engine.submit: the core validates and enqueues; its refusal is raised here."""
         if self.dead:
@@ -160,8 +160,10 @@ class EngineClient:
         accepted = asyncio.get_running_loop().create_future()
         self._submits[key] = accepted
         self._requests[key] = req
-        p.send(self._writer, (p.SUBMIT, key, p.EngineSubmit(prompt, options, constraint, jump_forward, request_id,
-                                                            reasoning, max_thinking_tokens, tool_parser)))
+        submit = p.EngineSubmit(prompt=prompt, options=options, constraint=constraint, jump_forward=jump_forward,
+                                request_id=request_id, reasoning=reasoning, max_thinking_tokens=max_thinking_tokens,
+                                tool_parser=tool_parser)
+        p.send(self._writer, (p.SUBMIT, key, submit))
         try:
             error = await accepted
         except asyncio.CancelledError:

@@ -129,9 +129,9 @@ class EngineCore:
 
     async def _submit(self, key: int, s: p.EngineSubmit) -> None:
         try:
-            req = await self.engine.submit(s.prompt, s.options, s.constraint, s.jump_forward, s.request_id,
-                                           reasoning=s.reasoning, max_thinking_tokens=s.max_thinking_tokens,
-                                           tool_parser=s.tool_parser)
+            req = await self.engine.submit(s.prompt, s.options, constraint=s.constraint, jump_forward=s.jump_forward,
+                                           request_id=s.request_id, reasoning=s.reasoning,
+                                           max_thinking_tokens=s.max_thinking_tokens, tool_parser=s.tool_parser)
         except Exception as e:  # noqa: BLE001 - the request's (its input, or the engine refusing it): its client hears
             self._cancel_after_submit.discard(key)
             p.send(self.writer, (p.SUBMITTED, key, portable(e)))

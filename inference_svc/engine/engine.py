@@ -213,8 +213,8 @@ class Engine:
 
     # --- requests ------------------------------------------------------------
 
-    async def submit(self, prompt: Prompt | str, options: SamplingOptions, constraint: Constraint | None = None,
-                     jump_forward: bool = True, request_id: str = "", *, reasoning: bool | None = None,
+    async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
+                     jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
                      max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> GenerationRequest:
         """Validates and enqueues a request; its outputs arrive on `request.outputs`.
 

@@ -79,9 +79,9 @@ _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 # any other code is the replica's trouble and reaches the client as UNAVAILABLE.
 _REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
 # Compile answers remembered per replica (see the module docstring); the least recently used go first.
-# Constraints longer than COMPILED_MEMO_MAX_SPEC_CHARS are not remembered (at most ~16 MB of keys a replica).
+# Constraints longer than COMPILED_MEMO_MAX_CONSTRAINT_CHARS are not remembered (at most ~16 MB of keys a replica).
 COMPILED_MEMO_ENTRIES = 1024
-COMPILED_MEMO_MAX_SPEC_CHARS = 16 * 1024
+COMPILED_MEMO_MAX_CONSTRAINT_CHARS = 16 * 1024
 
 
 def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
@@ -131,7 +131,7 @@ class _Replica:
         self.compiled.clear()
 
     def remember(self, constraint: Constraint, grammar_id: str, warnings: tuple[SchemaWarning, ...]) -> None:
-        if len(constraint.text) + sum(map(len, constraint.choices)) > COMPILED_MEMO_MAX_SPEC_CHARS:
+        if len(constraint.text) + sum(map(len, constraint.choices)) > COMPILED_MEMO_MAX_CONSTRAINT_CHARS:
             return
         self.compiled[constraint] = (grammar_id, warnings)
         self.compiled.move_to_end(constraint)
