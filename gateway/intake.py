@@ -40,13 +40,14 @@ class Intake:
     async def translated(self, request: Request, translate: Translate, served_model: str,
                          request_id: str) -> Translated:
         """The request's body as `translate` makes it; raises ApiError or InvalidParameterError (the client's)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit():
+            self._check_size(int(length))
         async with self._reserved() as reserve:
-            length = request.headers.get("content-length", "")
-            if length.isdigit():
-                reserve(int(length))
             parts, size = [], 0
             async for part in request.stream():
                 size += len(part)
+                self._check_size(size)
                 reserve(size)
                 parts.append(part)
             raw = b"".join(parts)
@@ -54,18 +55,19 @@ class Intake:
             async with self._slots:
                 return await asyncio.to_thread(_translate, raw, translate, served_model, request_id)
 
+    def _check_size(self, size: int) -> None:
+        if size > self.max_body_bytes:
+            raise ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
+                           "invalid_request_error", None, "request_too_large")
+
     @contextlib.asynccontextmanager
     async def _reserved(self) -> AsyncIterator[Callable[[int], None]]:
-        """A reservation of in-flight body bytes, grown to each size it is told of and given back at the end."""
+        """A reservation of in-flight body bytes, grown to each size received (not the size a client declares, so
+        a slow client holds only what it has sent), and given back at the end."""
         held = 0
 
         def reserve(size: int) -> None:
             nonlocal held
-            if size > self.max_body_bytes:
-                raise ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
-                               "invalid_request_error", None, "request_too_large")
-            if size <= held:
-                return
             if self.in_flight + size - held > self.max_in_flight:
                 raise ApiError(503, "The gateway is reading too many request bodies at once; retry shortly.",
                                "service_unavailable_error", None, "overloaded")

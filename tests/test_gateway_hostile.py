@@ -45,11 +45,12 @@ def assert_ordinary_request_works(gateway_url: str, served_model: str) -> None:
 
 
 def held_request(target: str, content_length: int) -> socket.socket:
-    """A connection that sent a completion request's headers and the start of its body, and waits."""
+    """A connection that sent a completion request's headers and all of its body but the last byte, and waits."""
     host, port = target.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=30)
+    start = b'{"prompt": "'
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n{\"prompt\": \"" % content_length)
+                 b"content-length: %d\r\n\r\n" % content_length + start + b"x" * (content_length - len(start) - 1))
     return sock
 
 
@@ -173,7 +174,7 @@ def test_bodies_past_the_in_flight_budget_are_503_until_it_frees(inference_serve
         url = f"http://{srv.target}/v1"
         held = held_request(srv.target, 4096)
         try:
-            wait_until(lambda: srv.server.intake.in_flight == 4096, "the held body reserved its length")
+            wait_until(lambda: srv.server.intake.in_flight == 4095, "the held body's bytes are reserved")
             r = httpx2.post(f"{url}/completions", json={"model": served_model, "prompt": "Hi", "max_tokens": 2},
                             timeout=60)
             assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
@@ -188,7 +189,7 @@ def test_connections_past_limit_concurrency_are_503(inference_server, served_mod
         url = f"http://{srv.target}/v1"
         held = held_request(srv.target, 4000)
         try:
-            wait_until(lambda: srv.server.intake.in_flight == 4000, "the held request is being served")
+            wait_until(lambda: srv.server.intake.in_flight == 3999, "the held request is being served")
             assert httpx2.get(f"{url}/models", timeout=60).status_code == 503
         finally:
             held.close()
