@@ -8,7 +8,6 @@ statuses through shared.status.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
