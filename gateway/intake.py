@@ -53,7 +53,7 @@ class Intake:
             raw = b"".join(parts)
             del parts
             async with self._slots:
-                return await asyncio.to_thread(_translate, raw, translate, served_model, request_id)
+                return await asyncio.to_thread(translate_body, raw, translate, served_model, request_id)
 
     def _check_size(self, size: int) -> None:
         if size > self.max_body_bytes:
@@ -80,7 +80,8 @@ class Intake:
             self.in_flight -= held
 
 
-def _translate(raw: bytes, translate: Translate, served_model: str, request_id: str) -> Translated:
+def translate_body(raw: bytes, translate: Translate, served_model: str, request_id: str) -> Translated:
+    """A whole body parsed and translated; raises what the error table answers with a 4xx (the client's)."""
     try:
         return translate(parse_object(raw), served_model, request_id)
     except UnicodeEncodeError:  # the client's: protobuf refuses a string that is not valid Unicode

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import ApiError, from_exception
-from gateway.intake import _translate
+from gateway.intake import translate_body
 from gateway.translation.request import Translated, chat_request, completion_request
 from shared import errors
 
@@ -165,7 +165,7 @@ bodies = st.one_of(
 
 def assert_translates_or_refuses(route: str, raw: bytes) -> None:
     try:
-        translated = _translate(raw, TRANSLATE[route], MODEL, "fuzz-1")
+        translated = translate_body(raw, TRANSLATE[route], MODEL, "fuzz-1")
     except (ApiError, errors.InvalidRequestError, errors.NotFoundError) as e:
         status = from_exception(e).status
         assert 400 <= status < 500, f"{type(e).__name__} answered {status}: {e}"
