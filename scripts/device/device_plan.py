@@ -107,7 +107,7 @@ GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency=
             budgets={"versions": 20, "pytest": 120, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
                      "e2e-0.5b-eager": 25, "build-8b": 35, "e2e-8b-eager-g1": 40, "e2e-8b-eager": 30,
                      "e2e-0.5b-compiled": 40, "e2e-8b-compiled": 0, "e2e-sim": 30, "grammar": 18})
-SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="1,2", replicas=(1,),
+SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas=(1,),
               max_tokens=4, requests=2, waves=1, compiled={}, sims="sim2", sim_concurrency="2", sim_replicas=(1,),
               sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2, fill_threads=(1,),
               budgets={"versions": 60, "pytest": 120, "build": 60, "e2e": 120, "grammar": 120})

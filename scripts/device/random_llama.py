@@ -72,9 +72,16 @@ def build(shape: str, out: Path, dtype: str, device: str, seed: int = 0) -> dict
     out.mkdir(parents=True)
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict] = [{}]
-    sizes = [0]
-    total = params = 0
+    shard: dict = {}
+    files: list[list[str]] = []  # the names in each shard, in order
+    size = total = params = 0
+
+    def flush() -> None:
+        # Written as soon as it is full: at 8b the host never holds more than one shard.
+        save_file(shard, str(out / f"shard-{len(files)}.safetensors"), metadata={"format": "pt"})
+        files.append(list(shard))
+        shard.clear()
+
     # named_parameters() visits a tied matrix once, under the embedding's name, as save_pretrained stores it.
     for name, meta in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -83,20 +90,21 @@ def build(shape: str, out: Path, dtype: str, device: str, seed: int = 0) -> dict
             value = torch.randn(meta.shape, generator=generator, dtype=torch.float32, device=device)
             value = value.mul_(spec.initializer_range).to(torch_dtype)
         nbytes = value.numel() * value.element_size()
-        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = value.cpu()
-        sizes[-1] += nbytes
+        if shard and size + nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shard[name] = value.cpu()
+        size += nbytes
         total += nbytes
         params += value.numel()
         del value
+    flush()
     weight_map = {}
-    for k, tensors in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-    if len(shards) > 1:
+    for k, names in enumerate(files):
+        file = "model.safetensors" if len(files) == 1 else f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        (out / f"shard-{k}.safetensors").rename(out / file)
+        weight_map.update(dict.fromkeys(names, file))
+    if len(files) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config.save_pretrained(out)
@@ -106,7 +114,7 @@ def build(shape: str, out: Path, dtype: str, device: str, seed: int = 0) -> dict
         shutil.copyfile(default_tokenizer_dir() / name, out / name)
     shutil.copyfile(CHAT_TEMPLATE, out / CHAT_TEMPLATE_FILE)
     return {"shape": shape, "path": str(out), "dtype": dtype, "parameters": params, "weight_bytes": total,
-            "shards": len(shards), "vocab_size": config.vocab_size, "hidden_size": spec.hidden_size,
+            "shards": len(files), "vocab_size": config.vocab_size, "hidden_size": spec.hidden_size,
             "layers": spec.num_hidden_layers, "tied_embeddings": tied,
             "seconds": round(time.perf_counter() - started, 1)}
 
