@@ -1,8 +1,11 @@
 """The device check's record: each step's summary from its bench output, and the JSON, markdown, PNG and tarball.
 
-The bench results are read by key with defaults (a key a bench renames
-shows as "–", it does not stop the report), and the markdown is laid out to
-be pasted under docs/benchmarks.md's "On a GPU" section as it is.
+The bench results are read from their JSON by key with defaults (a key a
+bench renames shows as "–", it does not stop the report) rather than through
+the benches' own report helpers: nothing outside structd/ and tests/ imports
+structd/, and the check must still report when a bench changes under it. The
+markdown is laid out to be pasted under docs/benchmarks.md's "On a GPU"
+section as it is.
 """
 
 from __future__ import annotations

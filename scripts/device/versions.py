@@ -3,6 +3,8 @@
 Run first by scripts/device/check (in the environment its phases get), so the
 versions head the output, and a carried wheel that does not import (or
 stubs generated for another protobuf) shows here before any phase trips on it.
+A script of its own rather than the benches' machine() record: nothing outside
+structd/ and tests/ imports structd/.
 """
 
 from __future__ import annotations
