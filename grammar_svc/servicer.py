@@ -22,6 +22,7 @@ from grammar_svc.compile.spec import GrammarSpec
 from grammar_svc.step.stepper import SessionOp, Status, Stepper
 from grammar_svc.types import JsonOptions, Kind, Whitespace
 from shared import status as status_map
+from shared.client_identity import certificate_identity, end_client
 from shared.errors import InvalidGrammarError
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
@@ -164,13 +165,13 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
 def caller_of(context) -> str:
     """Who a call counts against for per-caller limits: the client certificate's identity under mutual
     TLS (its subject's CN, else its first SAN: one tenant however many connections it opens; SANs come
-    first only without a CN, since replicas of different tenants may share host names), else the
-    peer's IP address without the port (one pod)."""
-    auth = context.auth_context() or {}
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
-        names = auth.get(key)
-        if names:
-            return f"certificate {names[0].decode(errors='replace')}"
+    first only without a CN, since replicas of different tenants may share host names), with the end
+    client it names (x-structd-end-client: every inference replica presents one certificate, and each of
+    their clients counts apart), else the peer's IP address without the port (one pod)."""
+    identity = certificate_identity(context.auth_context())
+    if identity is not None:
+        forwarded = end_client(context.invocation_metadata())
+        return f"certificate {identity}" + (f" for {forwarded}" if forwarded else "")
     peer = context.peer() or "unknown"
     kind, _, address = peer.partition(":")
     if kind in ("ipv4", "ipv6"):

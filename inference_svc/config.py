@@ -42,6 +42,9 @@ class EngineConfig:
     schema_check_timeout_seconds: float = 5.0
     # Prompts longer than this (UTF-8 bytes) are refused before they are tokenized.
     max_prompt_bytes: int = 1 << 20
+    # The tools' parameters schemas of one request, together (UTF-8 bytes), refused before any is parsed: as
+    # much as the grammar tier takes in one spec (its --max-spec-bytes default), which the tool grammar is.
+    max_tool_bytes: int = 1 << 20
     # The LM head over the allowed ids only, for steps whose every sampled row has a short allowed-id list
     # (sparse_head.py; docs/benchmarks.md, "LM head at the allowed ids", measures it).
     sparse_head: bool = True
@@ -103,6 +106,8 @@ class InferenceServiceConfig:
     grammar_tls: ClientTls | None = None
     # A plaintext port answering grpc.health.v1 only, for probes without a client certificate (0: none).
     health_port: int = 0
+    # RPCs the gRPC server runs at once (streams included); past it new calls get RESOURCE_EXHAUSTED.
+    max_concurrent_rpcs: int = 4096
 
     def validate(self) -> "InferenceServiceConfig":
         problems = []
@@ -145,8 +150,10 @@ class InferenceServiceConfig:
             problems.append("--grammar-step-timeout-seconds must be positive")
         if e.schema_check_timeout_seconds <= 0:
             problems.append("--schema-check-timeout-seconds must be positive")
-        if e.max_prompt_bytes < 1:
-            problems.append("--max-prompt-bytes must be at least 1")
+        if e.max_prompt_bytes < 1 or e.max_tool_bytes < 1:
+            problems.append("--max-prompt-bytes and --max-tool-bytes must be at least 1")
+        if self.max_concurrent_rpcs < 1:
+            problems.append("--max-concurrent-rpcs must be at least 1")
         if e.max_waiting < 0 or e.default_max_tokens < 1 or e.max_model_len < 0:
             problems.append("--max-waiting, --default-max-tokens and --max-model-len must be positive")
         for tls in (self.tls, self.grammar_tls):
@@ -243,7 +250,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--greedy-head", "on" if e.greedy_head else "off",
           "on: greedy rows without logprobs get the LM head only at the ids a bfloat16 screen of it keeps (the "
           "same argmax; CPUs with bfloat16 oneDNN, with --sparse-head on); off: the float32 head for them")
-    f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing)")
+    f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing; "
+                                                    "a chat's messages are checked before the template renders them)")
+    f.add("--max-tool-bytes", e.max_tool_bytes, "most bytes of tool parameters schemas one request may carry, all "
+                                                "its tools together (checked before any is parsed)")
     f.add("--chat-template", None, "Jinja chat template file used for messages instead of the model's own",
           kind=Path)
     f.add("--model-family", d.model_family,
@@ -263,6 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     add_client_flags(f, "--grammar-tls", "the grammar tier")
     f.add("--health-port", d.health_port, "plaintext port answering grpc.health.v1 only, for probes that cannot "
                                           "present a client certificate (0: none)")
+    f.add("--max-concurrent-rpcs", d.max_concurrent_rpcs,
+          "gRPC calls served at once, streams included; past it a new call is refused with RESOURCE_EXHAUSTED "
+          "(retried by clients)")
 
 
 def parse_targets(raw: str) -> tuple[str, ...]:
@@ -314,6 +327,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             compile_timeout_seconds=args.compile_timeout_seconds,
             schema_check_timeout_seconds=args.schema_check_timeout_seconds,
             max_prompt_bytes=args.max_prompt_bytes,
+            max_tool_bytes=args.max_tool_bytes,
             sparse_head=parse_on_off("--sparse-head", args.sparse_head),
             greedy_head=parse_on_off("--greedy-head", args.greedy_head),
         ),
@@ -324,4 +338,5 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         tls=server_tls_from_args(args),
         grammar_tls=client_tls_from_args(args, "--grammar-tls"),
         health_port=args.health_port,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
     ).validate()

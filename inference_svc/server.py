@@ -60,13 +60,14 @@ class InferenceServer(Hosted):
         self.metrics = InferenceMetrics()
         self.engine: Engine | EngineClient | None = None
         self.grammar: GrammarTier | None = None
+        self.frontend: Frontend | None = None
         self.host: ServiceHost | None = None
         # Set when the engine died: serve() stops and exits non-zero.
         self.failed = asyncio.Event()
 
     async def start(self, grammar_connect_timeout: float = 600.0) -> None:
         c = self.config
-        self.host = ServiceHost((SERVICE_NAME,))
+        self.host = ServiceHost((SERVICE_NAME,), max_concurrent_rpcs=c.max_concurrent_rpcs)
         own_process = c.engine_in_own_process()
         if own_process:
             if self.source is None:
@@ -100,8 +101,8 @@ class InferenceServer(Hosted):
                               loaded_unix_seconds=int(served.info.loaded_unix_seconds))
         log.info("chat template: %s; model family: %s", "yes" if serving.has_chat_template else "none",
                  serving.family or "none")
-        pb_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(Frontend(self.engine, template, family), serving), self.host.server)
+        self.frontend = Frontend(self.engine, template, family)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.frontend, serving), self.host.server)
         await self.host.set_serving(True)
         log.info("inference service SERVING on %s:%d (%s; engine %s; metrics on :%d)", c.host, self.port,
                  c.tls.describe() if c.tls else "plaintext",
@@ -120,6 +121,8 @@ class InferenceServer(Hosted):
             await self.engine.drain(grace)
         if self.host is not None:
             await self.host.stop(1.0)
+        if self.frontend is not None:
+            self.frontend.close()
         if isinstance(self.engine, EngineClient):
             await self.engine.close()  # the core closes its engine, ranks and grammar streams itself
             await self._wait_children()

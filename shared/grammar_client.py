@@ -8,6 +8,7 @@ from typing import Sequence
 import grpc
 import numpy as np
 
+from shared.client_identity import END_CLIENT_METADATA
 from shared.codec import MaskDecoder, SparseMask
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.gen.grammar.v1 import grammar_service_pb2_grpc as pb_grpc
@@ -102,10 +103,13 @@ class GrammarClient:
             timeout=timeout)
 
     async def compile(self, fingerprint: str, spec: pb.GrammarSpec, timeout_seconds: float = 0.0,
-                      rpc_timeout: float | None = None) -> pb.CompileResponse:
+                      rpc_timeout: float | None = None, end_client: str = "") -> pb.CompileResponse:
+        """end_client: who the compile is for (client_identity.END_CLIENT_METADATA), counted apart by the
+        replica's per-caller limit when this client presents a certificate."""
+        metadata = ((END_CLIENT_METADATA, end_client),) if end_client else None
         return await self.stub.Compile(
             pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds),
-            timeout=rpc_timeout)
+            timeout=rpc_timeout, metadata=metadata)
 
     async def check_output(self, grammar_id: str, token_ids: Sequence[int],
                            rpc_timeout: float | None = None) -> pb.CheckOutputResponse:

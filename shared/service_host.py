@@ -11,6 +11,11 @@ clients with a certificate from it); an optional plaintext health port then
 answers grpc.health.v1 alone, from the same health state, for probes that
 cannot present a certificate (the kubelet's gRPC probe): it serves no other
 service, so nothing but SERVING/NOT_SERVING is reachable without TLS.
+With an allow-list of client names (`ServerTls.allowed_clients`) every
+call on the service's port, health included, comes from one of them or is
+refused PERMISSION_DENIED (shared/client_identity.py). `max_concurrent_rpcs`
+bounds the calls in progress at once, streams included: past it grpc
+refuses new ones with RESOURCE_EXHAUSTED, which clients retry.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from shared.client_identity import AllowedClients
 from shared.grpc_options import SERVER_OPTIONS
 from shared.tls import ServerTls, server_credentials
 
@@ -37,10 +43,14 @@ class ServiceHost:
     Build it inside the running event loop (grpc.aio objects bind to it).
     """
 
-    def __init__(self, service_names: tuple[str, ...], *, reflection_enabled: bool = True):
+    def __init__(self, service_names: tuple[str, ...], *, reflection_enabled: bool = True,
+                 max_concurrent_rpcs: int | None = None):
         self.service_names = service_names
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        # Allows everyone until listen() is given TLS with an allow-list.
+        self.allowed_clients = AllowedClients()
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(self.allowed_clients,),
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_enabled:
             reflection.enable_server_reflection(
@@ -58,11 +68,13 @@ class ServiceHost:
             await self.health.set(name, status)
 
     def listen(self, host: str, port: int, tls: ServerTls | None = None) -> int:
-        """The service's port: TLS (mutual with a client CA) when tls is given, else plaintext."""
+        """The service's port: TLS (mutual with a client CA, named clients only with an allow-list) when tls is
+        given, else plaintext."""
         address = f"{host}:{port}"
         if tls is None:
             self.port = self.server.add_insecure_port(address)
         else:
+            self.allowed_clients.allowed = frozenset(tls.allowed_clients)
             self.port = self.server.add_secure_port(address, server_credentials(tls))
         if self.port == 0:
             raise SystemExit(f"cannot listen on {address}")

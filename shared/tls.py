@@ -16,6 +16,14 @@ service's grammar tier, the gateway) watch their files with
 `CertificateFiles` and open a new channel for new calls when they change,
 leaving the calls on the old one to finish.
 
+A server with a client CA may also name the clients it serves
+(`allowed_clients`, `--tls-allowed-clients`: certificate CNs or SANs);
+shared/client_identity.py refuses every other certificate from the CA,
+call by call, with PERMISSION_DENIED. A client CA removed from the file
+stops being trusted for new connections without a restart: the gRPC
+servers' configuration is rebuilt from the files, and the gateway's HTTPS
+context is replaced, not added to (`SslContextRotation`).
+
 Each command names its flags with a prefix (`--tls`, `--grammar-tls`,
 `--target-tls`; the Python client's keyword arguments `tls_`); the problems
 found in a configuration name those flags, so the operator reads which one
@@ -32,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from shared.client_identity import parse_allowed
 from shared.flags import FlagSet
 
 log = logging.getLogger(__name__)
@@ -94,6 +103,8 @@ class ServerTls:
     key_file: Path | None
     client_ca_file: Path | None = None
     flag_prefix: str = "--tls"  # for messages: --tls-cert-file, --tls-key-file, --tls-client-ca-file
+    # Certificate names (CN or SAN) of the clients served; empty: any client certificate the CA signed.
+    allowed_clients: tuple[str, ...] = ()
 
     @property
     def mutual(self) -> bool:
@@ -101,6 +112,8 @@ class ServerTls:
 
     def problems(self) -> list[str]:
         p = self.flag_prefix
+        if self.allowed_clients and self.client_ca_file is None:
+            return [f"{p}-allowed-clients names client certificates: it needs {_name(p, 'client-ca')}"]
         if self.cert_file is None or self.key_file is None:
             return [f"{_name(p, 'cert')} and {_name(p, 'key')} go together (the server's certificate and its key)"
                     + (f"; {_name(p, 'client-ca')} needs both" if self.client_ca_file else "")]
@@ -112,6 +125,8 @@ class ServerTls:
 
     def describe(self) -> str:
         who = f"clients signed by {self.client_ca_file}" if self.mutual else "any client"
+        if self.allowed_clients:
+            who += f" named {', '.join(self.allowed_clients)}"
         return f"TLS ({self.cert_file}; {who})"
 
 
@@ -140,11 +155,11 @@ class ClientTls:
 
 
 def server_tls(cert_file: Path | None, key_file: Path | None, client_ca_file: Path | None,
-               flag_prefix: str = "--tls") -> ServerTls | None:
+               flag_prefix: str = "--tls", allowed_clients: tuple[str, ...] = ()) -> ServerTls | None:
     """The server TLS these flags ask for (None: plaintext, when none is given); check its problems()."""
-    if cert_file is None and key_file is None and client_ca_file is None:
+    if cert_file is None and key_file is None and client_ca_file is None and not allowed_clients:
         return None
-    return ServerTls(cert_file, key_file, client_ca_file, flag_prefix)
+    return ServerTls(cert_file, key_file, client_ca_file, flag_prefix, allowed_clients)
 
 
 def client_tls(ca_file: Path | None, cert_file: Path | None, key_file: Path | None,
@@ -161,6 +176,11 @@ def add_server_flags(f: FlagSet, prefix: str = "--tls", what: str = "gRPC") -> N
     f.add(f"{prefix}-key-file", None, f"the PEM private key of {prefix}-cert-file", kind=Path)
     f.add(f"{prefix}-client-ca-file", None, "mutual TLS: require client certificates signed by this PEM CA",
           kind=Path)
+    if what != "gRPC":  # the allow-list is checked per gRPC call (client_identity.AllowedClients)
+        return
+    f.add(f"{prefix}-allowed-clients", "", "mutual TLS: serve only client certificates with one of these names "
+                                           "(CN or SAN, comma-separated); others get PERMISSION_DENIED (empty: any "
+                                           f"certificate from {prefix}-client-ca-file)")
 
 
 def add_client_flags(f: FlagSet, prefix: str, peer: str) -> None:
@@ -177,7 +197,8 @@ def _path(value: Any) -> Path | None:
 def server_tls_from_args(args: Any, prefix: str = "--tls") -> ServerTls | None:
     a = prefix.lstrip("-").replace("-", "_")
     return server_tls(_path(getattr(args, f"{a}_cert_file")), _path(getattr(args, f"{a}_key_file")),
-                      _path(getattr(args, f"{a}_client_ca_file")), prefix)
+                      _path(getattr(args, f"{a}_client_ca_file")), prefix,
+                      parse_allowed(getattr(args, f"{a}_allowed_clients", "") or ""))
 
 
 def client_tls_from_args(args: Any, prefix: str) -> ClientTls | None:
@@ -270,25 +291,39 @@ def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
 
 
 class SslContextRotation:
-    """Loads changed certificate files into a live ssl server context: connections accepted after `check()`
-    get the new certificate, open ones keep theirs. Call check() now and then (the gateway: every few seconds)."""
+    """Serves changed certificate files from a live ssl server context: connections accepted after `check()`
+    get the new certificate and trust only the new client CA, open ones keep theirs. Call check() now and then
+    (the gateway: every few seconds).
+
+    An SSLContext only ever adds trusted CAs (load_verify_locations
+    appends), so a changed set of files becomes a fresh context, and the
+    served one's SNI callback, which runs in every handshake before the
+    client's certificate is asked for, hands each new connection the
+    freshest context.
+    """
 
     def __init__(self, ctx: ssl.SSLContext, tls: ServerTls):
         self.ctx = ctx
         self.tls = tls
         self.files = CertificateFiles(tls)
+        self.current = ctx
+        ctx.sni_callback = self._use_current
+
+    def _use_current(self, connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
+                     ctx: ssl.SSLContext) -> None:
+        if self.current is not ctx:
+            connection.context = self.current
 
     def check(self) -> bool:
         """True when the files changed and were loaded; a broken or half-swapped pair is logged and kept out."""
         if not self.files.changed():
             return False
         try:
-            self.ctx.load_cert_chain(self.tls.cert_file, self.tls.key_file)
-            if self.tls.client_ca_file is not None:
-                self.ctx.load_verify_locations(cafile=str(self.tls.client_ca_file))
+            fresh = server_ssl_context(self.tls)
         except (OSError, ssl.SSLError) as e:
             self.files.load_failed(e)
             return False
+        self.current = fresh
         self.files.loaded()
         return True
 

@@ -127,7 +127,8 @@ def test_every_pod_mounts_a_cert_manager_certificate_and_uses_it(objs):
     for where, _meta, spec in pod_specs(objs):
         cert = _certificate_for(objs, _tls_secret(where, spec))
         c = _container(spec)
-        files = {a.split("=", 1)[1] for a in c["args"] if a.startswith("--") and "tls" in a.split("=")[0]}
+        files = {a.split("=", 1)[1] for a in c["args"]
+                 if a.startswith("--") and "tls" in a.split("=")[0] and a.split("=")[0].endswith("-file")}
         assert files and all(f.startswith(TLS_MOUNT + "/") for f in files), f"{where}: TLS files from the Secret"
         assert "server auth" in cert["spec"]["usages"], where
 
@@ -141,6 +142,21 @@ def test_one_issuer_signs_every_certificate(objs):
     assert f"`{issuer['name']}`" in (K8S / "README.md").read_text(), "k8s/README.md documents the Issuer"
     assert {c["metadata"]["name"] for c in by_kind(objs, "Certificate")} == {
         "structd-grammar", "structd-inference", "structd-gateway"}
+
+
+def test_each_server_allows_only_its_clients_certificates(objs):
+    """Authorisation: the grammar tier serves the inference pods' certificate only, the inference tier the
+    gateway's; each allow-list names a SAN of that certificate (and no other tier's)."""
+    def allowed(c: dict) -> set[str]:
+        return set(_arg(c, "--tls-allowed-clients").split(","))
+
+    grammar = _container(_pods(objs, "structd-grammar")[0][2])
+    inference_names = set(_certificate_for(objs, "structd-inference-tls")["spec"]["dnsNames"])
+    gateway_names = set(_certificate_for(objs, "structd-gateway-tls")["spec"]["dnsNames"])
+    assert allowed(grammar) & inference_names and not allowed(grammar) & gateway_names
+    for where, _meta, spec in _pods(objs, "structd-inference"):
+        mine = allowed(_container(spec))
+        assert mine & gateway_names and not mine & inference_names, where
 
 
 def test_mutual_tls_on_both_hops(objs):

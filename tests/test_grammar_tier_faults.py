@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 
+import grpc
 import pytest
 
 from inference_svc.grammar.grammar_link import GrammarLink
@@ -28,6 +29,16 @@ from tests.conftest import InferenceServerThread, background_complete, start_gra
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 STEP_TIMEOUT_SECONDS = 0.5
+
+
+def _stop_all(srv, replicas: list[ChildService]) -> None:
+    """Stops the inference server (if it started) and every replica, thawing frozen ones first."""
+    if srv is not None:
+        srv.stop()
+    for r in replicas:
+        if r.proc.poll() is None:
+            os.kill(r.proc.pid, signal.SIGCONT)
+        r.stop()
 
 
 def _valid_digits(text: str) -> bool:
@@ -79,12 +90,43 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
         if fault == signal.SIGSTOP:
             os.kill(victim.proc.pid, signal.SIGCONT)
     finally:
-        if srv is not None:
-            srv.stop()
-        for r in replicas:
-            if r.proc.poll() is None:
-                os.kill(r.proc.pid, signal.SIGCONT)
-            r.stop()
+        _stop_all(srv, replicas)
+
+
+def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(tmp_path):
+    """Issue 24, item 11: a replica frozen by SIGSTOP (its socket still accepts bytes, nothing answers) holds a
+    Compile only until the compile deadline plus COMPILE_RPC_MARGIN_SECONDS: the compile moves to the other
+    replica and the request is served; with both frozen the request fails UNAVAILABLE, naming the hung replica
+    and the deadline, and nothing is left compiling in the engine."""
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+    from inference_svc.grammar.grammar_tier import COMPILE_RPC_MARGIN_SECONDS
+    from shared.inference_client import InferenceError
+
+    replicas = [ChildService(["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log") for i in range(2)]
+    srv = None
+    try:
+        cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
+                                     grammar_targets=tuple(r.target for r in replicas), simulate_step_ms=5.0,
+                                     engine=EngineConfig(max_num_seqs=4, default_max_tokens=8,
+                                                         compile_timeout_seconds=1.0))
+        srv = InferenceServerThread(cfg)
+        engine, tier = srv.server.engine, srv.server.grammar
+        first = next(r for r in replicas if r.target == tier.target(0))  # the one a compile picks on a tie
+        second = next(r for r in replicas if r is not first)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        with InferenceClient(srv.target) as client:
+            served = client.complete("one", regex="[0-9]{3}", max_tokens=8, timeout=120)
+            assert len(served.text) == 3 and served.text.isdigit()
+            assert not srv.run_sync(lambda: tier._replicas[0].registered)  # marked down
+            os.kill(second.proc.pid, signal.SIGSTOP)
+            with pytest.raises(InferenceError) as failed:
+                client.complete("two", regex="[a-z]{4}", max_tokens=8, timeout=120)
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "did not answer the compile within" in failed.value.message
+        assert f"{1.0 + COMPILE_RPC_MARGIN_SECONDS:g} s" in failed.value.message
+        assert srv.run_sync(lambda: (engine.num_active, len(engine._compiling))) == (0, 0)
+    finally:
+        _stop_all(srv, replicas)
 
 
 # ------------------------------------------------------------------ the tier against real replicas

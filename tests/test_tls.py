@@ -57,6 +57,9 @@ class Pki:
         self.rotated_client = self.ca.issue("client-rotated", server=False)
         self.foreign_client = self.other_ca.issue("foreign-client", server=False)
         self.expired_client = self.ca.issue("expired-client", server=False, expired=True)
+        # From the main CA too, under other names: what an allow-list (--tls-allowed-clients) tells apart.
+        self.other_client = self.ca.issue("other-client", server=False)
+        self.gateway = self.ca.issue("gateway", server=False)
 
     def client_tls(self, issued: Issued | None) -> ClientTls:
         """Trusts the main CA; presents `issued` (None: no certificate)."""

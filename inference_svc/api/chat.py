@@ -36,6 +36,12 @@ class ChatMessage:
     tool_calls: tuple[ParsedToolCall, ...] = ()  # role "assistant": the calls it made
     reasoning_content: str = ""  # role "assistant": its thinking
 
+    def text_bytes(self) -> int:
+        """UTF-8 bytes of the client's text in it: what the rendered prompt holds at least."""
+        texts = [self.content, self.name, self.tool_call_id, self.reasoning_content]
+        texts += [t for c in self.tool_calls for t in (c.id, c.name, c.arguments_json)]
+        return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
     def as_template_dict(self) -> dict:
         """The message as chat templates read it (OpenAI's shape; unset fields left out)."""
         out: dict = {"role": self.role, "content": self.content}

@@ -6,12 +6,21 @@ between: the chat is rendered by the model's template (tools shown to the
 model, thinking switched on or off), the tools become a structural tag in
 the model family's tool-call format so every call's arguments are valid,
 and each response gets a parser that cuts those calls out of its text.
+
+Admission comes first, before any of that work: a request whose messages
+alone pass --max-prompt-bytes is refused by its size, and requests being
+prepared (tools converted, template rendered) count against --max-waiting,
+so a flood of large chats is refused at the door instead of queueing
+renders. Tool conversion runs on a few threads of its own under a deadline
+(the compile timeout): a hostile schema holds one of them, never the
+event loop or the renders of other requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +33,11 @@ from inference_svc.engine.request import Output
 from inference_svc.engine.sampling import SamplingOptions
 from inference_svc.types import Constraint, SchemaWarning, ToolCallReader
 from shared import errors
+
+# Threads converting tools' schemas to grammar text: CPU work under the GIL, so a few at most.
+TOOL_CONVERSION_THREADS = 2
+# The conversion's deadline when the server sets no --compile-timeout-seconds (the grammar tier's default).
+DEFAULT_TOOL_CONVERSION_SECONDS = 30.0
 
 
 class SubmittedRequest(Protocol):
@@ -52,7 +66,8 @@ class ServingEngine(Protocol):
 
     async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
-                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> SubmittedRequest:
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None,
+                     end_client: str = "") -> SubmittedRequest:
         ...
 
     def cancel(self, req: SubmittedRequest) -> None:
@@ -74,6 +89,9 @@ class ClientRequest:
     tool_choice: ToolChoice | None = None  # None: auto
     reasoning: bool | None = None  # None: the template's default
     max_thinking_tokens: int = 0
+    # Who the request is for, as the caller's certificate (and the gateway's API key) says; counted apart by
+    # the grammar tier's per-caller compile limit ("": the caller itself).
+    end_client: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,8 @@ class Frontend:
         self.engine = engine
         self.template = template
         self.family = family
+        self.preparing = 0  # requests admitted and not yet handed to the engine
+        self._conversions = ThreadPoolExecutor(TOOL_CONVERSION_THREADS, thread_name_prefix="structd-tools")
 
     async def submit(self, r: ClientRequest) -> SubmittedRequest:
         given = [name for name, value in (("prompt", r.prompt), ("messages", r.messages),
@@ -101,19 +121,53 @@ class Frontend:
             raise errors.InvalidRequestError(
                 f"give exactly one of prompt, messages and prompt_token_ids (got {' and '.join(given)})" if given
                 else "the prompt is empty: give exactly one of prompt, messages and prompt_token_ids")
-        # Tools turn schemas into grammar text (cached, but a big schema takes a while): off the event loop.
-        constraint, parser = await asyncio.to_thread(self._tools, r) if r.tools else (r.constraint, self._no_tools(r))
+        self._admit(r)
+        self.preparing += 1
+        try:
+            constraint, parser = await self._with_tools(r) if r.tools else (r.constraint, self._no_tools(r))
+            if r.messages:
+                if self.template is None or not self.template.available:
+                    raise errors.InvalidRequestError(NO_TEMPLATE)
+                # Rendering runs a (sandboxed) template over client data: off the event loop, like tokenizing.
+                text = await asyncio.to_thread(self.template.render, list(r.messages), list(r.tools), r.reasoning)
+                prompt = Prompt(text, templated=True)
+            else:
+                prompt = Prompt(r.prompt, tuple(r.prompt_token_ids))
+            return await self.engine.submit(prompt, r.options, constraint=constraint, jump_forward=r.jump_forward,
+                                            request_id=r.request_id, reasoning=r.reasoning,
+                                            max_thinking_tokens=r.max_thinking_tokens, tool_parser=parser,
+                                            end_client=r.end_client)
+        finally:
+            self.preparing -= 1
+
+    def _admit(self, r: ClientRequest) -> None:
+        """Refuses, before any rendering or conversion, a request too large to ever pass or one past the queue."""
+        config = self.engine.config
         if r.messages:
-            if self.template is None or not self.template.available:
-                raise errors.InvalidRequestError(NO_TEMPLATE)
-            # Rendering runs a (sandboxed) template over client data: off the event loop, like tokenizing.
-            text = await asyncio.to_thread(self.template.render, list(r.messages), list(r.tools), r.reasoning)
-            prompt = Prompt(text, templated=True)
-        else:
-            prompt = Prompt(r.prompt, tuple(r.prompt_token_ids))
-        return await self.engine.submit(prompt, r.options, constraint=constraint, jump_forward=r.jump_forward,
-                                        request_id=r.request_id, reasoning=r.reasoning,
-                                        max_thinking_tokens=r.max_thinking_tokens, tool_parser=parser)
+            size = sum(m.text_bytes() for m in r.messages)
+            if size > config.max_prompt_bytes:
+                raise errors.RequestTooLargeError(
+                    f"messages hold {size} bytes of text; this server accepts prompts of at most "
+                    f"{config.max_prompt_bytes} bytes (--max-prompt-bytes)")
+        if self.preparing >= config.max_waiting:
+            raise errors.LimitExceededError(
+                f"{self.preparing} requests are already being prepared (tools, chat template), this server's "
+                "--max-waiting; retry later or on another replica")
+
+    async def _with_tools(self, r: ClientRequest) -> tuple[Constraint | None, ToolCallParser | None]:
+        """_tools on a conversion thread, within the compile deadline (the thread finishes its schema
+        regardless: the request does not wait for it)."""
+        seconds = self.engine.config.compile_timeout_seconds or DEFAULT_TOOL_CONVERSION_SECONDS
+        work = asyncio.get_running_loop().run_in_executor(self._conversions, self._tools, r)
+        try:
+            return await asyncio.wait_for(work, seconds)
+        except TimeoutError:
+            raise errors.CompileTimeoutError(
+                f"the tools' parameters schemas did not become a grammar within {seconds:g} s (the compile "
+                "deadline, --compile-timeout-seconds): simplify them") from None
+
+    def close(self) -> None:
+        self._conversions.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _no_tools(r: ClientRequest) -> None:

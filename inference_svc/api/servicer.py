@@ -7,9 +7,10 @@ from inference_svc.config import EngineConfig
 from inference_svc.api.frontend import ClientRequest, Frontend, ServingInfo
 from inference_svc.engine.request import FinishReason, Output
 from inference_svc.engine.sampling import SamplingOptions
-from inference_svc.api.tool_calls import ToolChoice, ToolSpec
+from inference_svc.api.tool_calls import ToolChoice, ToolSpec, check_tool_bytes
 from inference_svc.types import CheckResult, Constraint, JsonOptions, ParsedToolCall, SchemaWarning
 from shared import errors
+from shared.client_identity import acting_for
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.status import abort
@@ -104,7 +105,10 @@ def tool_choice(request: pb.GenerateRequest) -> ToolChoice | None:
     return ToolChoice(mode, c.name)
 
 
-def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_len: int) -> ClientRequest:
+def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_len: int,
+                   end_client: str = "") -> ClientRequest:
+    # Before any schema is parsed: a request past the limit costs its bytes only.
+    check_tool_bytes([(t.name, t.parameters_json_schema) for t in request.tools], config.max_tool_bytes)
     if request.tools and request.constraint.strict_schema:
         raise errors.InvalidRequestError(
             "constraint.strict_schema cannot be combined with tools: the constraint then becomes part of the "
@@ -121,6 +125,7 @@ def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_
         tool_choice=tool_choice(request),
         reasoning=request.reasoning if request.HasField("reasoning") else None,
         max_thinking_tokens=request.max_thinking_tokens,
+        end_client=end_client,
     )
 
 
@@ -177,7 +182,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         engine = self.frontend.engine
         try:
-            req = await self.frontend.submit(client_request(request, engine.config, engine.max_model_len))
+            end_client = acting_for(context.auth_context(), context.invocation_metadata())
+            req = await self.frontend.submit(client_request(request, engine.config, engine.max_model_len, end_client))
         except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
             await abort(context, e)
             return

@@ -13,16 +13,18 @@ returns each one whole, so a client never sees part of the markup.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import re
 import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from inference_svc.api.model_family import ModelFamily, ToolCallFormat
 from inference_svc.types import Constraint, JsonOptions, ParsedToolCall
-from shared.errors import InvalidGrammarError, InvalidRequestError
+from shared.errors import InvalidGrammarError, InvalidRequestError, RequestTooLargeError
 from shared.xgrammar_messages import clean_message
 
 MODES = ("auto", "required", "none", "named")
@@ -30,6 +32,26 @@ NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")
 # OpenAI's limit; a request-shape bound that keeps the tool grammar and the prompt's tool list sane.
 MAX_TOOLS = 128
+# Converted schemas kept (see _EbnfCache): at most this many, and this many bytes of EBNF in all.
+EBNF_CACHE_ENTRIES = 256
+EBNF_CACHE_BYTES = 32 << 20
+
+
+def check_tool_bytes(tools: Sequence[tuple[str, str]], max_bytes: int) -> None:
+    """Refuses tools whose parameters schemas, as (name, JSON text) pairs, pass `max_bytes` (UTF-8) together.
+
+    Checked before any schema is parsed: a request that can never pass
+    costs its size in bytes and nothing more (no JSON tree, no grammar).
+    The message names the limit and the largest tool.
+    """
+    sizes = [(len(text.encode("utf-8", "surrogatepass")), name) for name, text in tools]
+    total = sum(size for size, _ in sizes)
+    if total <= max_bytes:
+        return
+    size, name = max(sizes)
+    raise RequestTooLargeError(
+        f"the tools' parameters schemas are {total} bytes (tool {name!r}: {size}); this server accepts at most "
+        f"{max_bytes} in all (--max-tool-bytes)")
 
 
 @dataclass(frozen=True)
@@ -182,13 +204,68 @@ def _json_format(schema: object, what: str, options: JsonOptions = JsonOptions()
     return {"type": "grammar", "grammar": ebnf}
 
 
-@functools.lru_cache(maxsize=256)
+class _EbnfCache:
+    """Converted schemas by a digest of their text: what it holds is bounded in bytes as well as in entries.
+
+    Keyed by the full schema text, a cache of 256 would pin 256 client
+    schemas of any size in the API process; here a key is 32 bytes and
+    the values (the EBNF) count against EBNF_CACHE_BYTES, least recently
+    used out first. Worker threads share it (the conversions run off the
+    event loop).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(*parts: object) -> bytes:
+        return hashlib.sha256(json.dumps(parts).encode("utf-8", "surrogatepass")).digest()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> str | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: bytes, value: str) -> None:
+        if len(value) > self.max_bytes // 4:  # one huge grammar must not empty the cache of everyone else's
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self.bytes -= len(old) if old is not None else 0
+            self._entries[key] = value
+            self.bytes += len(value)
+            while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self.bytes -= len(dropped)
+
+
+_EBNF_CACHE = _EbnfCache(EBNF_CACHE_ENTRIES, EBNF_CACHE_BYTES)
+
+
 def _compact_json_ebnf(schema_text: str, what: str, lenient: bool = False, any_order: bool = False) -> str:
     """The schema as EBNF, as the grammar tier compiles json_schema by default (compact, strict).
 
     The structural tag's own json_schema format allows free whitespace
     between tokens; its grammar format takes this EBNF instead.
     """
+    key = _EbnfCache.key(schema_text, lenient, any_order)
+    cached = _EBNF_CACHE.get(key)
+    if cached is None:
+        cached = _convert(schema_text, what, lenient, any_order)
+        _EBNF_CACHE.put(key, cached)
+    return cached
+
+
+def _convert(schema_text: str, what: str, lenient: bool, any_order: bool) -> str:
     import xgrammar as xgr
 
     try:

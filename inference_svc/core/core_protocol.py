@@ -56,6 +56,7 @@ class EngineSubmit:
     reasoning: bool | None
     max_thinking_tokens: int
     tool_parser: ToolCallReader | None
+    end_client: str
 
 
 def encode(message: tuple) -> bytes:

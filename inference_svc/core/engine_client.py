@@ -149,7 +149,8 @@ class EngineClient:
 
     async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
-                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> RemoteRequest:
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None,
+                     end_client: str = "") -> RemoteRequest:
         """As Engine.submit: the core validates and enqueues; its refusal is raised here."""
         if self.dead:
             raise errors.UnavailableError(ENGINE_STOPPED)
@@ -162,7 +163,7 @@ class EngineClient:
         self._requests[key] = req
         submit = p.EngineSubmit(prompt=prompt, options=options, constraint=constraint, jump_forward=jump_forward,
                                 request_id=request_id, reasoning=reasoning, max_thinking_tokens=max_thinking_tokens,
-                                tool_parser=tool_parser)
+                                tool_parser=tool_parser, end_client=end_client)
         p.send(self._writer, (p.SUBMIT, key, submit))
         try:
             error = await accepted

@@ -131,7 +131,8 @@ class EngineCore:
         try:
             req = await self.engine.submit(s.prompt, s.options, constraint=s.constraint, jump_forward=s.jump_forward,
                                            request_id=s.request_id, reasoning=s.reasoning,
-                                           max_thinking_tokens=s.max_thinking_tokens, tool_parser=s.tool_parser)
+                                           max_thinking_tokens=s.max_thinking_tokens, tool_parser=s.tool_parser,
+                                           end_client=s.end_client)
         except Exception as e:  # noqa: BLE001 - the request's (its input, or the engine refusing it): its client hears
             self._cancel_after_submit.discard(key)
             p.send(self.writer, (p.SUBMITTED, key, portable(e)))

@@ -215,14 +215,16 @@ class Engine:
 
     async def submit(self, prompt: Prompt | str, options: SamplingOptions, *, constraint: Constraint | None = None,
                      jump_forward: bool = True, request_id: str = "", reasoning: bool | None = None,
-                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None) -> GenerationRequest:
+                     max_thinking_tokens: int = 0, tool_parser: ToolCallReader | None = None,
+                     end_client: str = "") -> GenerationRequest:
         """Validates and enqueues a request; its outputs arrive on `request.outputs`.
 
         A text prompt is measured in bytes before it is tokenized, and tokenized
         on a worker thread: a huge prompt costs its own request time, not
         everyone's step. A prompt that ends with the think-start token starts
         in thinking (`reasoning=True` insists on it); `tool_parser` cuts tool
-        calls out of the answer text.
+        calls out of the answer text; `end_client` is who the grammar tier
+        counts the request's compile against, within the caller's share.
         """
         self._check_accepting()
         if isinstance(prompt, str):
@@ -254,7 +256,7 @@ class Engine:
             text=ResponseText(self.tok.token_bytes, self.tok.special_ids, options.stop,
                               think_end_id=thinking.end_id if thinking is not None else None,
                               tool_parser=tool_parser),
-            grammar=GrammarLink(constraint, jump_forward) if constraint is not None else None,
+            grammar=GrammarLink(constraint, jump_forward, end_client=end_client) if constraint is not None else None,
             thinking=thinking,
         )
         if constraint is None:

@@ -29,6 +29,8 @@ class GrammarLink:
     replays: int = 0  # times the session was rebuilt on another replica
     # What the grammar does not enforce of its schema (from the compile), for the client's first response.
     warnings: tuple[SchemaWarning, ...] = ()
+    # Who the request is for (the caller's client, "" when it is its own): sent with uncached compiles.
+    end_client: str = ""
 
     @property
     def placed(self) -> bool:

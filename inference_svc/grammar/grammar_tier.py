@@ -17,7 +17,12 @@ registered the tokenizer with it again). A session is a pure function of
 (grammar id, accepted tokens), so the engine replays the affected requests on
 another replica; a replay longer than one message may carry is sent as
 several messages on the stream before the step's own. A compile that finds a
-replica UNAVAILABLE is retried once on another. A `dns:///name:port` target
+replica UNAVAILABLE, or that does not answer it within the compile's own
+deadline plus `COMPILE_RPC_MARGIN_SECONDS` (its event loop wedged while its
+transport still answers keepalives), is retried once on another; the
+request never waits on a silent replica longer than that. A compile carries
+the request's end client (`GrammarLink.end_client`) for the replica's
+per-caller limit. A `dns:///name:port` target
 (a Kubernetes headless Service) stands for every address it resolves to,
 re-resolved periodically; addresses that leave DNS are dropped.
 
@@ -65,6 +70,11 @@ DEFAULT_STEP_TIMEOUT_SECONDS = 2.0
 # Accepted tokens per SessionStep: comfortably below the grammar service's per-step limit (4,096), so a
 # replayed generation of any length goes out as several messages.
 MAX_ACCEPT_PER_MESSAGE = 2048
+# A Compile RPC gets the compile's own deadline plus this before the replica counts as hung (queueing, transfer).
+COMPILE_RPC_MARGIN_SECONDS = 5.0
+# The compile deadline assumed when the server asks for none (0: the replica's default, at most its cap, whose
+# default is this: --max-compile-timeout-seconds).
+UNSET_COMPILE_TIMEOUT_SECONDS = 60.0
 # Compile status codes that say the replica, not the constraint, failed: the compile moves to another one.
 _RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -424,7 +434,7 @@ class GrammarTier:
                     r.compiled.move_to_end(link.constraint)
                     grammar_id, link.warnings = known
                 else:
-                    grammar_id, link.warnings = await self._compile_on(r, link.constraint)
+                    grammar_id, link.warnings = await self._compile_on(r, link.constraint, link.end_client)
                 if link.constraint.strict_schema and link.warnings:
                     raise strict_refusal(link.warnings)
                 placed = True
@@ -438,6 +448,18 @@ class GrammarTier:
                 log.warning("grammar replica %s: compile failed with %s; trying another replica",
                             r.client.target, e.code().name)
                 continue
+            except TimeoutError:
+                # Hung (SIGSTOPped, its event loop wedged): new compiles avoid it until it answers maintain().
+                r.unregister()
+                seconds = self.compile_rpc_seconds
+                if len(tried) >= 2 or self._pick(tried) is None:
+                    raise errors.UnavailableError(
+                        f"grammar replica {r.client.target} did not answer the compile within {seconds:g} s (the "
+                        f"compile deadline plus {COMPILE_RPC_MARGIN_SECONDS:g} s): it is hung; retry later"
+                    ) from None
+                log.warning("grammar replica %s: no answer to a compile within %g s; trying another replica",
+                            r.client.target, seconds)
+                continue
             finally:
                 if not placed:  # refused, failed or cancelled: the reservation goes back
                     r.sessions -= 1
@@ -445,13 +467,29 @@ class GrammarTier:
             break
         link.placed_on(r.id, grammar_id, self.new_session_id())
 
-    async def _compile_on(self, r: _Replica, constraint: Constraint) -> tuple[str, tuple[SchemaWarning, ...]]:
-        """(grammar id, warnings) from a Compile RPC to `r` (remembered there)."""
+    @property
+    def compile_rpc_seconds(self) -> float:
+        """How long a replica may take to answer a Compile before it counts as hung."""
+        return (self.compile_timeout_seconds or UNSET_COMPILE_TIMEOUT_SECONDS) + COMPILE_RPC_MARGIN_SECONDS
+
+    async def _compile_on(self, r: _Replica, constraint: Constraint,
+                          end_client: str = "") -> tuple[str, tuple[SchemaWarning, ...]]:
+        """(grammar id, warnings) from a Compile RPC to `r` (remembered there); TimeoutError when `r` does not
+        answer within compile_rpc_seconds."""
         if not r.registered:
-            await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
+            try:
+                await r.client.register_tokenizer(self.tokenizer, timeout=5.0)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the replica's silence, not the constraint's
+                    raise TimeoutError from None
+                raise
             r.registered = True
-        resp = await r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint),
-                                      self.compile_timeout_seconds)
+        seconds = self.compile_rpc_seconds
+        # The replica hears a deadline a little later than ours, so ours (a TimeoutError, never its
+        # DEADLINE_EXCEEDED answer for a compile that outlived its own timeout) is what a hung replica yields.
+        resp = await asyncio.wait_for(
+            r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint), self.compile_timeout_seconds,
+                             rpc_timeout=seconds + 1.0, end_client=end_client), seconds)
         for w in resp.warnings:
             log.info("grammar %s: %s", resp.grammar_id[:12], w)
         warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
