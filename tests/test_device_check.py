@@ -56,7 +56,7 @@ def test_cpu_smoke_runs_every_phase_and_every_step_succeeds(smoke):
     for step in record["steps"]:
         assert step["status"] == "ok", step
     kinds = {s["kind"] for s in record["steps"]}
-    assert kinds == {"versions", "pytest", "build", "e2e", "grammar"}
+    assert kinds == {"versions", "pytest", "build", "e2e", "peer", "grammar"}
     assert record["environment"]["versions"]["torch"] and record["environment"]["import_failures"] == {}
 
 
@@ -69,11 +69,12 @@ def test_cpu_smoke_summarises_each_bench_it_ran(smoke):
             # No CUDA here: every cuda-marked test is collected and skips, saying why.
             assert summary["skipped"] > 0 and summary["passed"] == summary["failed"] == 0
             assert all("no CUDA device" in s["reason"] for s in summary["skips"])
-        elif step["kind"] == "e2e":
+        elif step["kind"] in ("e2e", "peer"):
             rows = summary["rows"]
             assert rows and all(r["constrained"]["tpot_mean_seconds"] and r["unconstrained"]["tpot_mean_seconds"]
                                 for r in rows), summary
             assert all(r["tpot_ratio"] > 0 and r["constrained"]["errors"] == 0 for r in rows)
+            assert all(r["constrained"]["tokens_per_second"] > 0 for r in rows)
         elif step["kind"] == "grammar":
             assert summary["rows"] and all(r["rtt_p50_seconds"] > 0 for r in summary["rows"])
         elif step["kind"] == "build":
@@ -100,6 +101,8 @@ def test_gpu_plan_covers_the_issue():
     assert names[:2] == ["versions", "pytest-cuda"]
     for shape in ("0.5b", "8b"):
         assert f"build-{shape}" in names and f"e2e-{shape}-compiled" in names
+        peer = steps[names.index(f"peer-{shape}")]
+        assert peer.needs == f"build-{shape}" and peer.argv[peer.argv.index("--device") + 1] == "cuda"
         for replicas in (1, 4):
             step = steps[names.index(f"e2e-{shape}-eager-g{replicas}")]
             assert step.needs == f"build-{shape}" and step.env["STRUCTD_INFERENCE_COMPILE"] == "off"

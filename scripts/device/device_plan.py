@@ -33,7 +33,7 @@ class Step:
     argv: list[str]
     budget: float  # seconds of the run's budget this step may use (plus what earlier steps left)
     env: dict[str, str] = field(default_factory=dict)
-    kind: str = "command"  # pytest, e2e, grammar, build: how its output is summarised
+    kind: str = "command"  # versions, pytest, build, e2e, peer, grammar: how its output is summarised
     needs: str | None = None  # a step that must have succeeded first (a model build)
     skip: str | None = None  # why the step is not run here (set before the run)
     label: str = ""
@@ -53,7 +53,8 @@ PHASES = (
           "body vs eager, sparse vs full head, logprobs and min_tokens, the engine-core process end to end"),
     Phase("realistic", "Realistic shapes",
           "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
-          "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas"),
+          "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas; transformers + xgrammar on "
+          "the same GPU and shape (scripts/device/hf_peer.py) at 1 and 32"),
     Phase("host", "Host path",
           "the simulated 2 ms and 5 ms runners at N = 32, 64 with 1 and 2 grammar replicas; the grammar "
           "replica's round trip at 32/128/256 sessions with 1, 4 and 8 fill threads"),
@@ -87,6 +88,7 @@ class Sizes:
     max_tokens: int
     requests: int
     waves: int
+    peer_concurrency: str
     compiled: dict  # shape -> compile buckets (empty: no compiled run of that shape)
     sims: str
     sim_concurrency: str
@@ -101,16 +103,18 @@ class Sizes:
 
 
 GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency="1,32,128", replicas=(1, 4),
-            max_tokens=32, requests=8, waves=1, compiled={"0.5b": "32,128", "8b": "128"},
+            max_tokens=32, requests=8, waves=1, peer_concurrency="1,32", compiled={"0.5b": "32,128", "8b": "128"},
             sims="sim2,sim5", sim_concurrency="32,64", sim_replicas=(1, 2), sim_requests=32, sim_waves=2,
             grammar_batches="32,128,256", grammar_steps=100, grammar_limit=32, fill_threads=(1, 4, 8),
-            budgets={"versions": 20, "pytest": 120, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
-                     "e2e-0.5b-eager": 25, "build-8b": 35, "e2e-8b-eager-g1": 40, "e2e-8b-eager": 30,
-                     "e2e-0.5b-compiled": 40, "e2e-8b-compiled": 0, "e2e-sim": 30, "grammar": 18})
+            budgets={"versions": 20, "pytest": 110, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
+                     "e2e-0.5b-eager": 25, "peer-0.5b": 12, "build-8b": 35, "e2e-8b-eager-g1": 40,
+                     "e2e-8b-eager": 30, "peer-8b": 18, "e2e-0.5b-compiled": 30, "e2e-8b-compiled": 0,
+                     "e2e-sim": 28, "grammar": 16})
 SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas=(1,),
-              max_tokens=4, requests=2, waves=1, compiled={}, sims="sim2", sim_concurrency="2", sim_replicas=(1,),
-              sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2, fill_threads=(1,),
-              budgets={"versions": 60, "pytest": 120, "build": 60, "e2e": 120, "grammar": 120})
+              max_tokens=4, requests=2, waves=1, peer_concurrency="2", compiled={}, sims="sim2", sim_concurrency="2",
+              sim_replicas=(1,), sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2,
+              fill_threads=(1,),
+              budgets={"versions": 60, "pytest": 120, "build": 60, "e2e": 120, "peer": 60, "grammar": 120})
 
 
 def budget(sizes: Sizes, name: str) -> float:
@@ -139,7 +143,8 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
          "-o", "addopts=", "-rs", "--timeout=100", f"--junitxml={work / 'pytest-cuda' / 'junit.xml'}"],
         env={"CUDA_LAUNCH_BLOCKING": "1"}, kind="pytest")
 
-    no_gpu = None if smoke or cuda else "no CUDA device here (the realistic shapes need one; --cpu-smoke runs tiny ones)"
+    no_gpu = (None if smoke or cuda
+              else "no CUDA device here (the realistic shapes need one; --cpu-smoke runs tiny ones)")
     e2e_common = ["--concurrency", sizes.concurrency, "--max-tokens", str(sizes.max_tokens),
                   "--requests", str(sizes.requests), "--waves", str(sizes.waves), "--no-peers",
                   "--no-jump-forward-phase", "--no-mixed", "--dtype", sizes.dtype]
@@ -167,6 +172,11 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
                         "--grammar-replicas", str(replicas), *e2e_common),
                 env=e2e_env(shape, None), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
                 label=f"{shape} eager, {replicas} grammar replica(s)")
+        add("realistic", f"peer-{shape}",
+            [*python(), str(repo / "scripts" / "device" / "hf_peer.py"), "--model", str(model_root / f"llama-{shape}"),
+             "--device", sizes.device, "--dtype", sizes.dtype, "--concurrency", sizes.peer_concurrency,
+             "--max-tokens", str(sizes.max_tokens), "--out", str(work / f"peer-{shape}")],
+            kind="peer", needs=f"build-{shape}", skip=no_gpu, label=f"{shape}: transformers + xgrammar")
     for shape, buckets in sizes.compiled.items():
         add("realistic", f"e2e-{shape}-compiled",
             structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-compiled"), "--runners", "model",

@@ -97,13 +97,21 @@ def summarize_e2e(result: Path) -> dict:
     return {"rows": out, "duration_seconds": data.get("duration_seconds")}
 
 
+def summarize_peer(result: Path) -> dict:
+    """hf_peer.py writes its rows as summarize_e2e returns structd's."""
+    if not result.is_file():
+        return {"note": f"no {result.name}"}
+    return json.loads(result.read_text())
+
+
 def summarize_grammar(result: Path) -> dict:
     if not result.is_file():
         return {"note": f"no {result.name}"}
     data = json.loads(result.read_text())
     fill_threads = _get(data, "arguments", "fill_threads")
     rows = [{"batch": w.get("batch"), "fill_threads": fill_threads,
-             "rtt_p50_seconds": _get(w, "step_rtt_seconds", "p50"), "rtt_p99_seconds": _get(w, "step_rtt_seconds", "p99"),
+             "rtt_p50_seconds": _get(w, "step_rtt_seconds", "p50"),
+             "rtt_p99_seconds": _get(w, "step_rtt_seconds", "p99"),
              "server_step_p50_seconds": _get(w, "server_step_seconds", "p50"),
              "fill_p50_seconds": _get(w, "server_fill_seconds", "p50")} for w in data.get("walks", [])]
     return {"rows": rows, "compile": _get(data, "compile", "counts", default=None)}
@@ -149,14 +157,15 @@ def _e2e_table(steps: list[dict]) -> list[str]:
             runner = _runner(s, row)
             c, u = row.get("constrained") or {}, row.get("unconstrained") or {}
             host = c.get("host_seconds") or {}
-            host_sum = sum(host.values()) if host else None
+            host_us = sum(host.values()) * 1e6 if host else None
+            sample_us = host["sample"] * 1e6 if host.get("sample") is not None else None
             lines.append(
                 f"| {s.get('label') or s['name']} | {runner} | {row.get('grammar_replicas')} | "
                 f"{row.get('concurrency')} | {_ms(c.get('tpot_mean_seconds'))} / {_ms(u.get('tpot_mean_seconds'))} | "
                 f"{_num(row.get('tpot_ratio'))} | {_num(c.get('tokens_per_second'), '{:.0f}')} / "
                 f"{_num(u.get('tokens_per_second'), '{:.0f}')} | {_ms(c.get('ttft_p50_seconds'))} | "
                 f"{_pct(c.get('mask_wait_share'))} | {_ms(c.get('forward_mean_seconds'))} | "
-                f"{_num(host_sum and host_sum * 1e6, '{:.0f}')} ({_num(host.get('sample') and host['sample'] * 1e6, '{:.0f}')}) | "
+                f"{_num(host_us, '{:.0f}')} ({_num(sample_us, '{:.0f}')}) | "
                 f"{_ms(c.get('overhead_per_step_seconds'))} | {c.get('errors', 0) + u.get('errors', 0)} |")
     return lines
 
@@ -172,7 +181,8 @@ def host_targets(steps: list[dict]) -> list[str]:
             ratio, wait = row.get("tpot_ratio"), _get(row, "constrained", "mask_wait_share")
             verdict = ("met" if ratio is not None and ratio <= target and wait is not None and wait <= MASK_WAIT_TARGET
                        else "missed" if ratio is not None else "not measured")
-            lines.append(f"- simulated 2 ms, {row['grammar_replicas']} grammar replica(s), N = {row.get('concurrency')}:"
+            lines.append(f"- simulated 2 ms, {row['grammar_replicas']} grammar replica(s), "
+                         f"N = {row.get('concurrency')}:"
                          f" TPOT ratio {_num(ratio)} (target ≤ {target:.2f}), mask-wait {_pct(wait)} (target ≤ "
                          f"{MASK_WAIT_TARGET:.0%}): **{verdict}**")
     return lines
@@ -200,7 +210,7 @@ def markdown(record: dict) -> str:
                 out += [f"- FAILED {f['test']}: {f['message']}" for f in sm.get("failures", [])]
                 reasons = sorted({k["reason"] for k in sm.get("skips", [])})
                 out += [f"- skipped: {r}" for r in reasons]
-        e2e = [s for s in mine if s.get("kind") == "e2e"]
+        e2e = [s for s in mine if s.get("kind") in ("e2e", "peer")]
         if e2e:
             out += _e2e_table(e2e)
         if phase.name == "host":
