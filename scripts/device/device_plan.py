@@ -2,14 +2,15 @@
 
 Every step is a subprocess driven through a command line that outlives
 refactors of the code behind it (`pytest -m cuda`, `structd bench e2e`,
-`structd bench grammar`, random_llama.py), so the plan only names flags.
+`structd bench grammar`, random_llama.py, hf_peer.py), so the plan only names flags.
 The GPU plan and the CPU smoke's are the same steps on different sizes: the
 smoke runs each kind of step once on tiny shapes, so a flag that a bench
 drops or renames fails `make test` rather than the next rare GPU run.
 
 Budgets are seconds of the whole run's (the issue's 8 minutes): a step may
 also use what the steps before it left unused, never what the steps after it
-were given (device_check's `step_timeout`).
+were given (scripts/device/check's `step_timeout`). They are guesses until
+the first GPU run says how long each step takes there.
 """
 
 from __future__ import annotations
