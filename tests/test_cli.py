@@ -1,7 +1,8 @@
 """The `structd` command line as real subprocesses.
 
 `structd grammar` (start-up to SERVING, the preload file, SIGTERM drain, bad
-flags), `structd up` with two grammar replicas and the inference service, and `python -m shared.protogen --check`.
+flags), `structd up`'s refusal of zero replicas, and `python -m shared.protogen --check`. A real `structd up`
+serving and stopping is tests/test_up_supervision.py's, which starts one for all its tests.
 """
 
 from __future__ import annotations
@@ -287,48 +288,6 @@ def test_grammar_sigterm_drains_and_exits_zero(grammar_proc):
 
 
 # ---------------------------------------------------------------- structd up
-
-
-def test_up_serves_both_tiers_and_stops_on_sigint():
-    """`make run` is `structd up`: two grammar replicas, the inference service and the gateway, reachable
-    with `structd generate` and over HTTP, all stopped by one SIGINT."""
-    port, mport = free_ports(2), free_ports(2)
-    iport, imetrics, gport = free_ports(), free_ports(), free_ports()
-    proc = Proc([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
-                 "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
-                 "--metrics-port", str(imetrics), "--gateway-port", str(gport), "--log-level", "WARNING"])
-    try:
-        proc.wait_for_line("all services SERVING")
-        out = proc.output
-        for i in range(2):
-            assert (f"grammar replica {i + 1}: grpc 127.0.0.1:{port + i}  "
-                    f"metrics http://127.0.0.1:{mport + i}/metrics") in out, out
-        assert f"inference service: grpc 127.0.0.1:{iport}  metrics http://127.0.0.1:{imetrics}/metrics" in out, out
-        assert (f"gateway (OpenAI API): http://127.0.0.1:{gport}/v1  "
-                f"metrics http://127.0.0.1:{gport}/metrics") in out, out
-        # Every address it printed really serves.
-        for i in range(2):
-            assert health(f"127.0.0.1:{port + i}", "grammar.v1.GrammarService") == serving()
-        assert health(f"127.0.0.1:{iport}", "inference.v1.InferenceService") == serving()
-        for mp in (mport, mport + 1, imetrics, gport):
-            with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=30) as r:
-                assert r.status == 200
-        with urllib.request.urlopen(f"http://127.0.0.1:{gport}/health", timeout=30) as r:
-            assert r.status == 200
-        gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", f"127.0.0.1:{iport}", "--json",
-                              "--choice", "yes", "--choice", "no", "Well?"],
-                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
-        assert gen.returncode == 0, gen.stderr
-        line = json.loads(gen.stdout)
-        assert line["text"] in ("yes", "no") and line["finish_reason"] == "stop"
-        services = children_of(proc.popen.pid)
-        assert len(services) == 4
-        proc.popen.send_signal(signal.SIGINT)
-        assert proc.wait() == 0, proc.output
-        assert "stopped" in proc.lines
-        assert not [p for p in services if running(p)]
-    finally:
-        proc.kill()
 
 
 def test_up_rejects_zero_replicas():

@@ -2,18 +2,21 @@
 
 The back-off policy on its own (a child that fails at start-up keeps backing
 off, one that ran a while starts again from the initial delay), then one real
-`structd up --grammar-replicas 2`, started once for the module: a grammar
-replica SIGKILLed mid-generation is restarted on its port and rejoins while the
-request goes on elsewhere; the inference service SIGKILLed is restarted;
-SIGINT still stops everything and exits 0.
+`structd up --grammar-replicas 2` (what `make run` starts), started once for the
+module: every address it prints serves; a grammar replica SIGKILLed
+mid-generation is restarted on its port and rejoins while the request goes on
+elsewhere; the inference service SIGKILLed is restarted; SIGINT still stops
+everything and exits 0.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -23,7 +26,8 @@ import pytest
 
 from shared.inference_client import InferenceClient
 from structd.up import Backoff, Child, Supervisor, describe_exit
-from tests.test_cli import PYTHON, Proc, children_of, free_ports, health, running, serving
+from tests.conftest import REPO
+from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, health, running, serving
 
 RESTART_TIMEOUT = 120.0  # bounds a broken run: a grammar replica starts in ~5 s, the inference service in ~10 s
 GENERATE_TIMEOUT = 120.0
@@ -85,7 +89,8 @@ class Up:
     grammar_port: int
     grammar_metrics_port: int
     port: int
-    gateway_port: int = 0
+    metrics_port: int
+    gateway_port: int
     pids: dict[str, int] = field(default_factory=dict)  # "grammar replica 1" / "inference service" / "gateway" -> pid
 
     @property
@@ -124,7 +129,7 @@ def up():
     try:
         proc.wait_for_line("all services SERVING")
         services = children_of(proc.popen.pid)
-        u = Up(proc, port, mport, iport, gport)
+        u = Up(proc, port, mport, iport, imetrics, gport)
         for line in proc.lines:
             m = re.match(r"(grammar replica \d|inference service|gateway)\b.*  pid (\d+)$", line)
             if m:
@@ -158,6 +163,32 @@ def _long_generation(target: str, result: dict, first_chunks: threading.Event) -
         result["error"] = e
     finally:
         first_chunks.set()
+
+
+def test_up_serves_both_tiers_where_it_says(up):
+    """Two grammar replicas, the inference service and the gateway, at the addresses it printed, reachable with
+    `structd generate` and over HTTP (before any test below kills one of them)."""
+    out = up.proc.output
+    for i in range(2):
+        assert (f"grammar replica {i + 1}: grpc {up.grammar_target(i)}  "
+                f"metrics http://127.0.0.1:{up.grammar_metrics_port + i}/metrics") in out, out
+    assert f"inference service: grpc {up.target}  metrics http://127.0.0.1:{up.metrics_port}/metrics" in out, out
+    assert (f"gateway (OpenAI API): http://127.0.0.1:{up.gateway_port}/v1  "
+            f"metrics http://127.0.0.1:{up.gateway_port}/metrics") in out, out
+    for i in range(2):
+        assert health(up.grammar_target(i), "grammar.v1.GrammarService") == serving()
+    assert health(up.target, "inference.v1.InferenceService") == serving()
+    for mp in (up.grammar_metrics_port, up.grammar_metrics_port + 1, up.metrics_port, up.gateway_port):
+        with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=30) as r:
+            assert r.status == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.gateway_port}/health", timeout=30) as r:
+        assert r.status == 200
+    gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", up.target, "--json",
+                          "--choice", "yes", "--choice", "no", "Well?"],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=GENERATE_TIMEOUT)
+    assert gen.returncode == 0, gen.stderr
+    line = json.loads(gen.stdout)
+    assert line["text"] in ("yes", "no") and line["finish_reason"] == "stop"
 
 
 def test_killed_grammar_replica_is_restarted_on_its_port_and_rejoins(up):
