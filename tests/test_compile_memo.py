@@ -41,11 +41,11 @@ async def _step(tier: GrammarTier, sessions: list[GrammarLink], vocab: int):
     return (await tier.send([GrammarRow(s, i) for i, s in enumerate(sessions)], bitmask).receive(30.0)).rows
 
 
-@pytest.fixture(scope="module")
-def replica():
-    srv = start_grammar_server()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def replica(grammar_server):
+    """The session's server: the test counts the Compile RPCs it answers during the test, whatever it cached
+    before."""
+    return grammar_server
 
 
 @pytest.mark.parametrize("constraint", [pytest.param(LETTERS, id="regex"), pytest.param(UNIQUE, id="schema-warnings")])

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import threading
 import urllib.request
 
@@ -197,10 +198,11 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
     from inference_svc.core.engine_client import EngineClient
     from inference_svc.core.assembly import resolve_source
 
-    taken = _simulated(grammar_server)
+    # Its metrics port is taken (a listener of the test's own): the core cannot serve the metrics, and the API
+    # server must not hang.
+    taken = socket.create_server(("127.0.0.1", 0))
     try:
-        # Its metrics port is taken: the core cannot serve the metrics, and the API server must not hang.
-        cfg = _config(grammar_server, simulate_step_ms=5.0, metrics_port=taken.server.metrics_port)
+        cfg = _config(grammar_server, simulate_step_ms=5.0, metrics_port=taken.getsockname()[1])
         client = EngineClient(cfg, rank=None, source=resolve_source(cfg))
 
         async def start():
@@ -211,7 +213,7 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
             asyncio.run(start())
         assert client._process.returncode == 1
     finally:
-        taken.stop()
+        taken.close()
 
 
 def test_a_core_stopped_while_starting_writes_where_it_was_first(grammar_server, capfd):
