@@ -11,6 +11,7 @@ of bytes, never the clients' schema texts.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
@@ -80,6 +81,14 @@ def test_tools_past_the_byte_limit_are_refused_naming_it_and_the_tool(stub, host
     assert "--max-tool-bytes" in refused.details() and "'huge_tool'" in refused.details()
     assert str(LIMIT_BYTES) in refused.details()
     assert _generate(stub, messages=CHAT, tools=[_tool("small", 100)])[-1].finish_reason  # the same, small enough
+
+
+def test_refused_requests_leave_nothing_behind(stub):
+    """The refusal does not keep the refused message alive: raised through grpc's frames (context.abort), each
+    one stayed in reference cycles until a full collection, which a big process seldom runs."""
+    for i in range(6):
+        _refusal(stub, messages=CHAT, tools=[_tool(f"big_{i}", 2 * LIMIT_BYTES)])
+    assert not [o for o in gc.get_objects() if isinstance(o, pb.GenerateRequest) and o.tools]
 
 
 def test_tools_just_under_the_limit_are_served(stub):
