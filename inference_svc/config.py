@@ -106,8 +106,9 @@ class InferenceServiceConfig:
     grammar_tls: ClientTls | None = None
     # A plaintext port answering grpc.health.v1 only, for probes without a client certificate (0: none).
     health_port: int = 0
-    # RPCs the gRPC server runs at once (streams included); past it new calls get RESOURCE_EXHAUSTED.
-    max_concurrent_rpcs: int = 4096
+    # RPCs the gRPC server runs at once (streams included); past it new calls get RESOURCE_EXHAUSTED. Twice the
+    # default --max-waiting: past the running batch and the queue, more calls would only wait to be refused.
+    max_concurrent_rpcs: int = 2048
 
     def validate(self) -> "InferenceServiceConfig":
         problems = []
