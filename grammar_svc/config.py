@@ -52,6 +52,10 @@ class GrammarServiceConfig:
     max_mask_cache_slots: int = 1024
     # Worker processes validating finished JSON-Schema outputs (CheckOutput), off every step's path.
     check_workers: int = 2
+    # Address-space cap (RLIMIT_AS) of each compile and check worker, 0: none. Virtual memory, so it sits
+    # well above what a worker maps once its imports are done (torch and xgrammar map a lot they never
+    # touch): docs/benchmarks.md, "Hostile input at the grammar service", says how it was chosen.
+    worker_memory_limit_bytes: int = 4 << 30
     preload_file: Path | None = None
     # Tokenizer directory the preload file is compiled for (None: the embedded default).
     preload_tokenizer: Path | None = None
@@ -91,6 +95,8 @@ class GrammarServiceConfig:
             problems.append("--max-sessions must be at least 1")
         if self.check_workers < 1:
             problems.append("--check-workers must be at least 1")
+        if self.worker_memory_limit_bytes < 0:
+            problems.append("--worker-memory-limit-bytes must not be negative (0: no limit)")
         if self.max_sessions_per_stream < 1:
             problems.append("--max-sessions-per-stream must be at least 1")
         if self.max_compiles_per_caller < 1:
@@ -141,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--session-idle-ttl-seconds", d.session_idle_ttl_seconds)
     f.add("--check-workers", d.check_workers,
           "worker processes that validate finished JSON-Schema outputs against their schema")
+    f.add("--worker-memory-limit-bytes", d.worker_memory_limit_bytes,
+          "address-space cap (RLIMIT_AS) of each compile and check worker: a constraint that needs more fails "
+          "alone (INVALID_ARGUMENT naming this flag); 0: no cap")
     f.add("--preload-file", None, "JSON Lines of constraints to compile at start-up (see docs/commands.md)", kind=Path)
     f.add("--preload-tokenizer", None,
           "Hugging Face tokenizer directory for --preload-file (default: the embedded tokenizer)", kind=Path)
@@ -173,6 +182,7 @@ def from_args(args: argparse.Namespace) -> GrammarServiceConfig:
         max_mask_cache_slots=args.max_mask_cache_slots,
         session_idle_ttl_seconds=args.session_idle_ttl_seconds,
         check_workers=args.check_workers,
+        worker_memory_limit_bytes=args.worker_memory_limit_bytes,
         preload_file=Path(args.preload_file) if args.preload_file else None,
         preload_tokenizer=Path(args.preload_tokenizer) if args.preload_tokenizer else None,
         grace_seconds=args.grace_seconds,

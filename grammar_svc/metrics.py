@@ -37,9 +37,10 @@ class GrammarMetrics:
         self.compile_worker_restarts = Counter(
             "grammar_svc_compile_worker_restarts_total",
             "Compile workers replaced, by reason: deadline (killed past its compile deadline), abandoned "
-            "(killed because every caller went away), crashed (died on its own or killed from outside).",
+            "(killed because every caller went away), crashed (died on its own or killed from outside), memory "
+            "(a compile ran out of --worker-memory-limit-bytes).",
             ["reason"], registry=r)
-        for reason in ("deadline", "abandoned", "crashed"):
+        for reason in ("deadline", "abandoned", "crashed", "memory"):
             self.compile_worker_restarts.labels(reason)  # every reason exported from the start, at 0
         self.compile_worker_spawn_failures = Counter(
             "grammar_svc_compile_worker_spawn_failures_total",
@@ -79,8 +80,9 @@ class GrammarMetrics:
         self.output_checks = Counter(
             "grammar_svc_output_checks_total",
             "Finished JSON-Schema outputs checked against their schema (CheckOutput), by result: valid, "
-            "invalid, timeout, error (jsonschema cannot apply the schema).", ["result"], registry=r)
-        for result in ("valid", "invalid", "timeout", "error"):
+            "invalid, timeout, error (jsonschema cannot apply the schema), worker_died (the check's worker died under "
+            "it: out of --worker-memory-limit-bytes, or killed).", ["result"], registry=r)
+        for result in ("valid", "invalid", "timeout", "error", "worker_died"):
             self.output_checks.labels(result)  # every result exported from the start, at 0
         self.output_violations = Counter(
             "grammar_svc_output_violations_total",

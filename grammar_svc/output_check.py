@@ -14,6 +14,15 @@ otherwise stall every step stream of the replica; and a check past its
 deadline has its pool's processes stopped and replaced, so such a schema
 cannot hold the checkers either. A worker keeps a few validators by schema,
 so a schema used by many requests is built once.
+
+Each worker's address space is capped (RLIMIT_AS, --worker-memory-limit-bytes):
+a check that needs more fails alone (INVALID_ARGUMENT naming the flag). A
+worker that dies under a check (the OOM killer, a segfault, a kill) breaks
+its pool: the pool is replaced, the check that was running there fails
+alone (UNAVAILABLE, saying so; the caller reports it unchecked), and the
+checks after it run on the new pool. A document nested deeper than
+MAX_NESTING is not checked (INVALID_ARGUMENT): the validator recurses once
+per level.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shared.errors import CheckTimeoutError, InvalidGrammarError, InvalidRequestError
+from grammar_svc.schema.json_nesting import MAX_NESTING, nesting_depth
+from shared.errors import (CheckTimeoutError, InvalidGrammarError, InvalidRequestError, RequestTooLargeError,
+                           UnavailableError)
 
 if TYPE_CHECKING:  # the worker processes import this module: they need neither
     from grammar_svc.compile.backend import GrammarBackend
@@ -93,7 +104,16 @@ def _parse(document: bytes) -> tuple[object, Violation | None]:
 
 def check_document(schema_text: str, document: bytes) -> CheckReport:
     """The document's violations of the schema (runs in a worker process)."""
+    try:
+        return _check(schema_text, document)
+    except MemoryError:  # the worker's address-space cap: a plain error, as it crosses the process boundary
+        raise CheckOutOfMemoryError("MemoryError") from None
+
+
+def _check(schema_text: str, document: bytes) -> CheckReport:
     start = time.perf_counter()
+    if nesting_depth(document.decode("utf-8", "replace")) > MAX_NESTING:
+        raise DocumentTooDeepError(f"the output nests arrays and objects deeper than {MAX_NESTING} levels")
     instance, broken = _parse(document)
     if broken is not None:
         return CheckReport((broken,), 1, time.perf_counter() - start)
@@ -116,8 +136,25 @@ class UncheckableSchemaError(ValueError):
     """The validator cannot apply the schema to the document (not a violation: nothing was decided)."""
 
 
-def _warm() -> None:
-    """Imports the validator library when a worker starts, not under the first check's deadline."""
+class DocumentTooDeepError(ValueError):
+    """The document nests past MAX_NESTING: the validator would recurse past Python's limit."""
+
+
+class CheckOutOfMemoryError(ValueError):
+    """The check ran out of the worker's address-space cap."""
+
+
+class CheckWorkerDiedError(UnavailableError):
+    """The worker process running this check died under it (its pool is replaced; later checks run)."""
+
+
+def _warm(memory_limit_bytes: int = 0) -> None:
+    """Caps the worker's address space, then imports the validator library when the worker starts, not under
+    the first check's deadline."""
+    import resource
+
+    if memory_limit_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     import jsonschema  # noqa: F401
 
 
@@ -133,15 +170,18 @@ class OutputChecks:
     """CheckOutput: the pool the checks run in, the grammars they check against, and their metrics.
     `check` waits on the event loop, never blocks it."""
 
-    def __init__(self, backend: "GrammarBackend", metrics: "GrammarMetrics", workers: int):
+    def __init__(self, backend: "GrammarBackend", metrics: "GrammarMetrics", workers: int, *,
+                 memory_limit_bytes: int = 0):
         self.backend = backend
         self.metrics = metrics
         self.workers = max(1, workers)
+        self.memory_limit_bytes = memory_limit_bytes
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: the server has threads (gRPC, fills), which fork would copy in an unknown state.
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm)
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm,
+                                   initargs=(self.memory_limit_bytes,))
 
     async def warm(self) -> None:
         """Starts the workers (a spawned interpreter importing jsonschema takes a few hundred ms), so the
@@ -150,9 +190,9 @@ class OutputChecks:
         await asyncio.gather(*(loop.run_in_executor(self._pool, _warm) for _ in range(self.workers)))
 
     def _recycle(self, pool: ProcessPoolExecutor) -> None:
-        """Replaces a pool whose check outlived its deadline: the worker would go on holding a core (and a
-        pool slot) for as long as the schema makes it; its processes are stopped. Checks still running
-        there are retried on the new pool."""
+        """Replaces a pool whose check outlived its deadline (the worker would go on holding a core, and a
+        pool slot, for as long as the schema makes it), or one broken by a worker's death; its processes are
+        stopped. Checks still running there are retried on the new pool."""
         if self._pool is not pool:
             return  # already replaced by another timed-out check
         self._pool = self._new_pool()
@@ -177,8 +217,8 @@ class OutputChecks:
         deadline = None if timeout is None else loop.time() + timeout
         for attempt in range(2):
             pool = self._pool
-            future = loop.run_in_executor(pool, check_document, entry.json_schema, document)
             try:
+                future = loop.run_in_executor(pool, check_document, entry.json_schema, document)
                 report = await asyncio.wait_for(future, None if deadline is None else max(0.0, deadline - loop.time()))
                 break
             except asyncio.CancelledError:  # the caller's deadline passed (or it went away) first
@@ -191,12 +231,27 @@ class OutputChecks:
                 raise CheckTimeoutError(
                     f"checking the output against its schema outlived its {timeout:g} s deadline (a schema whose "
                     "validation is this slow, e.g. a backtracking pattern)") from None
-            except BrokenProcessPool:  # another check's timeout stopped this pool under it: once more
-                if attempt:
-                    raise
+            except BrokenProcessPool:
+                if pool is self._pool or attempt:
+                    # A worker died under it (killed, or out of memory past the cap): this check fails alone,
+                    # a new pool takes the checks after it.
+                    self.metrics.output_checks.labels("worker_died").inc()
+                    self._recycle(pool)
+                    raise CheckWorkerDiedError(
+                        "the worker process checking this output died under it (killed, or out of memory); "
+                        "the output is not checked") from None
+                # else another check's timeout stopped this pool under it: once more, on the new one
             except UncheckableSchemaError as e:
                 self.metrics.output_checks.labels("error").inc()
                 raise InvalidGrammarError(f"this schema cannot be checked by jsonschema: {e}") from None
+            except DocumentTooDeepError as e:
+                self.metrics.output_checks.labels("error").inc()
+                raise RequestTooLargeError(f"this output cannot be checked: {e}") from None
+            except CheckOutOfMemoryError:
+                self.metrics.output_checks.labels("error").inc()
+                raise RequestTooLargeError(
+                    f"checking this output against its schema needed more than the check worker's "
+                    f"{self.memory_limit_bytes} bytes of address space (--worker-memory-limit-bytes)") from None
         self.metrics.output_checks.labels("invalid" if report.total else "valid").inc()
         for v in report.violations:
             self.metrics.output_violations.labels(v.keyword).inc()

@@ -41,9 +41,11 @@ class GrammarServer(Hosted):
             max_compile_workers=config.compile_workers_bound,
             compile_lane_after_seconds=config.compile_lane_after_seconds, metrics=self.metrics,
             max_tokenizers=config.max_tokenizers, max_compiles_per_caller=config.max_compiles_per_caller,
-            tokenizers_in_sessions=self.limiter.fingerprints_in_use)
+            tokenizers_in_sessions=self.limiter.fingerprints_in_use,
+            worker_memory_limit_bytes=config.worker_memory_limit_bytes)
         self.filler = MaskFiller(config.fill_threads, config.max_row_fill_seconds)
-        self.checks = OutputChecks(self.backend, self.metrics, config.check_workers)
+        self.checks = OutputChecks(self.backend, self.metrics, config.check_workers,
+                                   memory_limit_bytes=config.worker_memory_limit_bytes)
         self.servicer = GrammarServicer(backend=self.backend, limiter=self.limiter, filler=self.filler,
                                         metrics=self.metrics, max_tokens_per_step=config.max_tokens_per_step,
                                         max_mask_cache_slots=config.max_mask_cache_slots, checks=self.checks)

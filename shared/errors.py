@@ -3,6 +3,12 @@
 Code raises these; `shared.status` is the one place that turns them into gRPC
 status codes. Messages are written for the user who sent the request: they
 say what was wrong and what to do.
+
+One rule decides which type a refusal is: a request that can never succeed
+(malformed, or past a limit it can never pass) is an `InvalidRequestError`
+(`RequestTooLargeError` for limits), which no client retries; a request
+refused for what is happening now (busy, a replica down) is a
+`LimitExceededError` or an `UnavailableError`, which clients retry.
 """
 
 
@@ -26,8 +32,15 @@ class GrammarCrashError(InvalidGrammarError):
     """A constraint under which the grammar compiler crashed repeatedly: refused, retrying cannot help."""
 
 
+class RequestTooLargeError(InvalidRequestError):
+    """A limit the request can never pass however often it is retried (spec bytes, JSON nesting depth, schema
+    normalisation's work budget, the cap on a compile's time): the message names the limit, and a client that
+    retries waits for nothing."""
+
+
 class LimitExceededError(StructdError):
-    """A configured size or count limit (spec bytes, live sessions, queue)."""
+    """Busy now: a limit on what is in flight (live sessions, compiles waiting, tokenizer slots, queue) that
+    frees up as other requests finish: retry later."""
 
 
 class CompileTimeoutError(StructdError):

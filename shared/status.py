@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     errors.InvalidGrammarError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    # Never succeeds: not RESOURCE_EXHAUSTED, which clients (the OpenAI SDKs among them) retry with back-off.
+    errors.RequestTooLargeError: grpc.StatusCode.INVALID_ARGUMENT,
+    # Busy now: retried.
     errors.LimitExceededError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.CompileTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.CheckTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,

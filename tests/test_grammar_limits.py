@@ -3,8 +3,8 @@
 --max-sessions-per-stream (a session past it fails alone, RESOURCE_EXHAUSTED),
 --max-tokenizers (the least recently used unused tokenizer is evicted; when
 every slot is in use, RESOURCE_EXHAUSTED), --max-compile-timeout-seconds (a
-compile the cap cut short is RESOURCE_EXHAUSTED, one within the client's own
-deadline DEADLINE_EXCEEDED) and --max-compiles-per-caller. Every refusal names
+compile the cap cut short is INVALID_ARGUMENT: asking again cannot help; one
+within the client's own deadline DEADLINE_EXCEEDED) and --max-compiles-per-caller. Every refusal names
 its flag and is counted in grammar_svc_limit_rejections_total.
 
 Three module servers: one for sessions and tokenizers, on tiny tokenizers made
@@ -220,7 +220,8 @@ def test_compile_cut_by_the_cap_names_the_flag(compile_server, tokenizer_desc):
     before = rejections(compile_server, "compile_timeout_cap")
     err = rpc_error(lambda: with_client(compile_server.target, lambda c: c.compile(
         tokenizer_desc.fingerprint, slow_schema(f"cap-{salt()}"), timeout_seconds=60.0, rpc_timeout=120)))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Asking again cannot help: INVALID_ARGUMENT, not the RESOURCE_EXHAUSTED clients retry.
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "--max-compile-timeout-seconds" in err.details() and f"{COMPILE_CAP_SECONDS:g} s" in err.details()
     assert rejections(compile_server, "compile_timeout_cap") == before + 1
 

@@ -8,7 +8,7 @@ that kill the compile worker, concurrency, health, reflection and /metrics.
 Most tests use the session's shared server. One extra module server (one
 compile worker, small max_spec_bytes, long default compile timeout, a real
 metrics port) covers what needs different limits: first-time registration,
-RESOURCE_EXHAUSTED, worker kills (with a single worker the replacement is the
+the spec-size limit, worker kills (with a single worker the replacement is the
 only one left, so the compile after a kill provably runs on it) and /metrics.
 """
 
@@ -495,12 +495,13 @@ def test_compile_unknown_tokenizer_is_failed_precondition(registered):
     assert "RegisterTokenizer" in err.details()
 
 
-def test_compile_spec_too_large_is_resource_exhausted(limited):
+def test_compile_spec_too_large_is_invalid_argument(limited):
     spec = pb.GrammarSpec(regex="a" * (LIMITED_MAX_SPEC_BYTES + 1))
     before = sample(limited.srv, "grammar_svc_compile_failures_total", kind="regex", reason="too_large")
     err = rpc_error(limited.target, lambda c: c.compile(limited.fingerprint, spec))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert str(LIMITED_MAX_SPEC_BYTES) in err.details()
+    # It can never pass: not RESOURCE_EXHAUSTED, which clients retry.
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(LIMITED_MAX_SPEC_BYTES) in err.details() and "--max-spec-bytes" in err.details()
     assert sample(limited.srv, "grammar_svc_compile_failures_total", kind="regex", reason="too_large") == before + 1
     # Exactly at the limit is admitted.
     ok = compile_(limited.target, limited.fingerprint, pb.GrammarSpec(regex="a" * LIMITED_MAX_SPEC_BYTES))

@@ -11,8 +11,8 @@ kills `CRASH_LIMIT` workers in a row is refused from the failure cache.
 
 Per-caller limits live here too: distinct compiles a caller may wait on
 (caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
-short is RESOURCE_EXHAUSTED naming --max-compile-timeout-seconds, not a
-deadline the client chose), and the tokenizer registry's size (an evicted
+short is INVALID_ARGUMENT naming --max-compile-timeout-seconds, not a
+deadline the client chose: asking again cannot help), and the tokenizer registry's size (an evicted
 tokenizer takes its compiled grammars and compile workers' copies with it).
 """
 
@@ -34,8 +34,8 @@ from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
 from grammar_svc.types import Kind
-from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, LimitExceededError,
-                           NotFoundError, StructdError)
+from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, NotFoundError,
+                           RequestTooLargeError, StructdError)
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,14 @@ class GrammarBackend:
                  timeout_cache_seconds: float = 30.0, max_compile_workers: int = 0,
                  compile_lane_after_seconds: float = 0.5, max_tokenizers: int = 16,
                  max_compiles_per_caller: int = 64,
-                 tokenizers_in_sessions: Callable[[], set[str]] = set):
+                 tokenizers_in_sessions: Callable[[], set[str]] = set, worker_memory_limit_bytes: int = 0):
         self._tokenizers_in_sessions = tokenizers_in_sessions
         self.tokenizers = TokenizerRegistry(max_tokenizers, self._tokenizers_in_use)
         self.callers = CallerCompiles(max_compiles_per_caller, metrics)
         self.cache = GrammarCache(cache_bytes)
         self.pool = CompilePool(compile_workers, self.tokenizers.worker_payloads, max_workers=max_compile_workers,
-                                lane_after_seconds=compile_lane_after_seconds, metrics=metrics)
+                                lane_after_seconds=compile_lane_after_seconds, metrics=metrics,
+                                memory_limit_bytes=worker_memory_limit_bytes)
         # In-process compilers (one per tokenizer) for compiles a worker showed to be fast.
         self._local_compilers: dict[str, object] = {}
         self.max_spec_bytes = max_spec_bytes
@@ -130,7 +131,7 @@ class GrammarBackend:
             if not capped:
                 raise
             self.metrics.limit_rejections.labels("compile_timeout_cap").inc()
-            raise LimitExceededError(
+            raise RequestTooLargeError(
                 f"{spec.kind.value} compilation ran to this replica's cap of {self.max_timeout_seconds:g} s "
                 f"(--max-compile-timeout-seconds) before the {timeout:g} s asked for; simplify the constraint "
                 "or ask the operator to raise the cap") from e
@@ -204,8 +205,8 @@ class GrammarBackend:
             self.cache.put(FailedEntry(grammar_id, e, timeout,
                                        expires_at=time.monotonic() + self.timeout_cache_seconds))
             raise
-        except InvalidGrammarError as e:
-            self.metrics.compile_failures.labels(kind, "invalid").inc()
+        except (InvalidGrammarError, RequestTooLargeError) as e:  # the spec's own, every time: remembered
+            self.metrics.compile_failures.labels(kind, _reason(e)).inc()
             self.cache.put(FailedEntry(grammar_id, e))
             raise
         except Exception:  # noqa: BLE001 - ours or xgrammar's bug: counted, then mapped to INTERNAL
@@ -251,8 +252,9 @@ class GrammarBackend:
                 if crashes >= CRASH_LIMIT:
                     raise GrammarCrashError(
                         f"{spec.kind.value}: compiling this constraint crashed the grammar compiler "
-                        f"{crashes} times; it is refused (a compiler bug or a constraint too large for the "
-                        "worker's memory): simplify the constraint") from None
+                        f"{crashes} times; it is refused (a compiler bug, or a constraint too large for the "
+                        f"worker's memory: {_memory_cap(self.pool.memory_limit_bytes)}): simplify the constraint"
+                    ) from None
                 remaining = deadline - time.monotonic()
                 continue
             self._crashes.pop(grammar_id, None)
@@ -275,5 +277,9 @@ class GrammarBackend:
         return entry
 
 
+def _memory_cap(limit_bytes: int) -> str:
+    return f"{limit_bytes} bytes, --worker-memory-limit-bytes" if limit_bytes else "--worker-memory-limit-bytes 0"
+
+
 def _reason(e: StructdError) -> str:
-    return "too_large" if isinstance(e, LimitExceededError) else "invalid"
+    return "too_large" if isinstance(e, RequestTooLargeError) else "invalid"

@@ -47,13 +47,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from grammar_svc.compile.compile_worker import MEMORY_LIMIT_FLAG
 from grammar_svc.compile.spec import GrammarSpec
-from shared.errors import CompileTimeoutError, InvalidGrammarError, UnavailableError
+from shared.errors import CompileTimeoutError, InvalidGrammarError, RequestTooLargeError, UnavailableError
 
 log = logging.getLogger(__name__)
 
-# Why a worker left the pool (label values of grammar_svc_compile_worker_restarts_total).
-DEADLINE, ABANDONED, CRASHED = "deadline", "abandoned", "crashed"
+# Why a worker left the pool (label values of grammar_svc_compile_worker_restarts_total); MEMORY: a compile
+# ran out of the worker's address-space cap.
+DEADLINE, ABANDONED, CRASHED, MEMORY = "deadline", "abandoned", "crashed", "memory"
 # CPU priorities: the step path (the server, nice 0) before compiles (workers start at
 # WORKER_NICE), and short compiles before those that have run past lane_after_seconds
 # (LONG_COMPILE_NICE). Lowering niceness again needs privileges, so a worker that ran a
@@ -97,8 +99,9 @@ _WORKER_ENV = {
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _worker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "grammar_svc.compile.compile_worker", *args]
+def _worker_command(memory_limit_bytes: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "grammar_svc.compile.compile_worker", *args,
+            MEMORY_LIMIT_FLAG, str(memory_limit_bytes)]
 
 
 def _worker_env() -> dict[str, str]:
@@ -172,10 +175,10 @@ class _Zygote:
     deadline.
     """
 
-    def __init__(self):
+    def __init__(self, memory_limit_bytes: int = 0):
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(_worker_command("--zygote", str(child.fileno())), pass_fds=(child.fileno(),),
-                                     stdin=subprocess.DEVNULL, env=_worker_env())
+        self.proc = subprocess.Popen(_worker_command(memory_limit_bytes, "--zygote", str(child.fileno())),
+                                     pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_worker_env())
         child.close()
         _set_nice(self.proc.pid, WORKER_NICE)  # inherited by every worker it forks
         self.sock = parent
@@ -249,10 +252,10 @@ class _Worker:
         self.stale = False
 
     @classmethod
-    def spawn(cls) -> "_Worker":
+    def spawn(cls, memory_limit_bytes: int = 0) -> "_Worker":
         """A plain subprocess worker, ready (blocking: a fresh interpreter imports xgrammar first)."""
         parent, child = socket.socketpair()
-        proc = subprocess.Popen(_worker_command(str(child.fileno())), pass_fds=(child.fileno(),),
+        proc = subprocess.Popen(_worker_command(memory_limit_bytes, str(child.fileno())), pass_fds=(child.fileno(),),
                                 stdin=subprocess.DEVNULL, env=_worker_env())
         child.close()
         _set_nice(proc.pid, WORKER_NICE)
@@ -333,18 +336,20 @@ class _Worker:
 class WorkerFactory:
     """Starts workers: forked by a zygote when the platform has pidfds, else as plain subprocesses.
 
-    A zygote that dies is started again on the next spawn.
+    A zygote that dies is started again on the next spawn. Every worker's address space is capped at
+    memory_limit_bytes (0: not capped).
     """
 
-    def __init__(self, use_zygote: bool = True):
+    def __init__(self, use_zygote: bool = True, memory_limit_bytes: int = 0):
         self._use_zygote = use_zygote
+        self.memory_limit_bytes = memory_limit_bytes
         self._zygote: _Zygote | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> _Worker:
         zygote = self._current_zygote() if self._use_zygote else None
         if zygote is None:
-            return _Worker.spawn()
+            return _Worker.spawn(self.memory_limit_bytes)
         try:
             proc, conn = zygote.fork()
         except RuntimeError as e:  # the zygote's failure: drop it, so the next spawn starts another
@@ -368,7 +373,7 @@ class WorkerFactory:
                 if not hasattr(os, "pidfd_open"):
                     self._use_zygote = False
                     return None
-                self._zygote = _Zygote()
+                self._zygote = _Zygote(self.memory_limit_bytes)
             return self._zygote
 
     def close(self) -> None:
@@ -403,7 +408,7 @@ class CompilePool:
                  max_workers: int = 0, lane_after_seconds: float = 0.5, ship_above_seconds: float = 1.0,
                  idle_retire_seconds: float = 60.0, metrics=None, supervise_interval_seconds: float = 0.05,
                  respawn_backoff_seconds: tuple[float, float] = (0.5, 30.0),
-                 spawn: Callable[[], _Worker] | None = None):
+                 spawn: Callable[[], _Worker] | None = None, memory_limit_bytes: int = 0):
         self._base = num_workers
         self._max = max(max_workers, num_workers)
         self._known_tokenizers = known_tokenizers
@@ -413,7 +418,8 @@ class CompilePool:
         self._metrics = metrics
         self._tick = supervise_interval_seconds
         self._backoff_min, self._backoff_max = respawn_backoff_seconds
-        self._factory = WorkerFactory() if spawn is None else None
+        self.memory_limit_bytes = memory_limit_bytes
+        self._factory = WorkerFactory(memory_limit_bytes=memory_limit_bytes) if spawn is None else None
         self._spawn = spawn or self._factory
         self._all: set[_Worker] = set()
         self._idle: collections.deque[_Worker] = collections.deque()
@@ -557,13 +563,21 @@ class CompilePool:
             # Nobody waits for this compile any more: its answer would be stale, and the core is wanted.
             self._remove(worker, ABANDONED)
             raise
-        self._release(worker)
         status = reply[0]
+        if status == "memory":
+            self._remove(worker, MEMORY)  # it exits after answering
+            raise RequestTooLargeError(
+                f"{spec.kind.value}: compiling it needed more than the compile worker's "
+                f"{self.memory_limit_bytes} bytes of address space (--worker-memory-limit-bytes); simplify the "
+                "constraint")
+        self._release(worker)
         if status == "ok":
             _, serialized, warnings, duration, memory = reply
             return CompileOutput(serialized, tuple(warnings), duration, memory)
         if status == "invalid":
             raise InvalidGrammarError(f"{spec.kind.value}: {reply[1]}")
+        if status == "too_large":
+            raise RequestTooLargeError(f"{spec.kind.value}: {reply[1]}")
         raise RuntimeError(f"compile worker failed: {reply[1]}")
 
     def _read(self, loop, worker: _Worker, fn, *args) -> asyncio.Future:

@@ -10,10 +10,20 @@ Messages on the pipe (parent -> worker):
   ("compile", fingerprint, GrammarSpec, ship_above_seconds)
 Replies (worker -> parent):
   ("ok", serialized_json or None, warnings, duration_seconds, memory_bytes)
-      serialized_json is None when the compile took at most ship_above_seconds:
-      the parent recompiles in-process rather than pay for serialization
+      serialized_json is None when the compile took at most ship_above_seconds
+      (the parent recompiles in-process rather than pay for serialization), or
+      when serializing it ran out of the worker's address space (the JSON is
+      many times the grammar: docs/benchmarks.md, "Hostile input at the
+      grammar service"): the compile itself fit, so the parent compiles it too
   ("invalid", message)      the spec is malformed or unsatisfiable
+  ("too_large", message)    the spec is past a limit it can never pass (schema normalisation's budget)
+  ("memory", message)       the compile ran out of the worker's address space (--worker-memory-limit-bytes)
   ("error", message)        anything else (a bug or an xgrammar crash)
+
+A worker's address space is capped (RLIMIT_AS, `--memory-limit BYTES`,
+0: no cap) before it reads its first message, so a spec whose compile
+grows without bound costs that compile, never the replica's memory. A
+worker that answered "memory" is replaced (its heap may be in any state).
 
 The same module is also the workers' zygote (`--zygote FD`): a process that
 has imported xgrammar once and forks a ready worker per request, in
@@ -32,10 +42,20 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import tempfile
 import time
 
+from shared.errors import RequestTooLargeError
 from shared.xgrammar_messages import clean_message
+
+MEMORY_LIMIT_FLAG = "--memory-limit"
+
+
+def limit_address_space(limit_bytes: int) -> None:
+    """Caps this process's virtual address space (RLIMIT_AS); 0 leaves it as it is."""
+    if limit_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
 
 class _StderrCapture:
@@ -67,6 +87,21 @@ def _warnings_from(lines: list[str]) -> list[str]:
             if msg and msg not in out:
                 out.append(msg)
     return out
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Python's MemoryError, or xgrammar's C++ std::bad_alloc (which reaches Python as a RuntimeError)."""
+    return isinstance(e, MemoryError) or "bad_alloc" in str(e)
+
+
+def _serialized(compiled) -> str | None:
+    """The compiled grammar as JSON, or None where that needs more than the worker's address space."""
+    try:
+        return compiled.serialize_json()
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        return None
 
 
 def serve(conn) -> None:
@@ -101,16 +136,23 @@ def serve(conn) -> None:
             if spec.kind is Kind.JSON_SCHEMA:
                 warnings += schema_warnings.scan(json.loads(spec.text))
             # A fast compile is cheaper to redo in the server than to serialize.
-            serialized = compiled.serialize_json() if duration > ship_above_seconds else None
+            serialized = _serialized(compiled) if duration > ship_above_seconds else None
             conn.send(("ok", serialized, warnings, duration, compiled.memory_size_bytes))
-        except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError, xgr.InvalidStructuralTagError) as e:
+        except RequestTooLargeError as e:
+            conn.send(("too_large", str(e)))
+        except (MemoryError, RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
+                xgr.InvalidStructuralTagError) as e:
+            if _out_of_memory(e):
+                conn.send(("memory", clean_message(str(e)) or type(e).__name__))
+                return  # its heap may be in any state: the pool replaces it
             conn.send(("invalid", clean_message(str(e))))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def zygote(sock) -> None:
-    """Forks a worker per b"fork" request (see the module docstring) until the server hangs up."""
+def zygote(sock, memory_limit_bytes: int = 0) -> None:
+    """Forks a worker per b"fork" request (see the module docstring) until the server hangs up; each worker's
+    address space capped at memory_limit_bytes (0: not capped)."""
     import signal
     import socket
     from multiprocessing.connection import Connection
@@ -141,6 +183,7 @@ def zygote(sock) -> None:
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 sock.close()
+                limit_address_space(memory_limit_bytes)
                 conn = Connection(fd)
                 conn.send(("ready",))
                 serve(conn)
@@ -162,20 +205,29 @@ def zygote(sock) -> None:
 
 def main() -> None:
     """Entry point: `python -m grammar_svc.compile.compile_worker FD` (FD: one end of a socketpair),
-    or `python -m grammar_svc.compile.compile_worker --zygote FD` (FD: a SOCK_SEQPACKET socket)."""
+    or `python -m grammar_svc.compile.compile_worker --zygote FD` (FD: a SOCK_SEQPACKET socket); either
+    may end with `--memory-limit BYTES`, each worker's address-space cap."""
     import sys
     from multiprocessing.connection import Connection
 
-    if sys.argv[1] == "--zygote":
+    args = sys.argv[1:]
+    memory_limit = 0
+    if MEMORY_LIMIT_FLAG in args:
+        at = args.index(MEMORY_LIMIT_FLAG)
+        memory_limit = int(args[at + 1])
+        del args[at:at + 2]
+    if args[0] == "--zygote":
         import socket
 
         try:
-            zygote(socket.socket(fileno=int(sys.argv[2])))
+            zygote(socket.socket(fileno=int(args[1])), memory_limit)
         except KeyboardInterrupt:
             pass
         return
-    conn = Connection(int(sys.argv[1]))
+    conn = Connection(int(args[0]))
     import xgrammar  # noqa: F401 - loaded before "ready" so the first compile is not slowed by imports
+
+    limit_address_space(memory_limit)  # after the imports, which map what they map once
 
     conn.send(("ready",))
     try:

@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 
 from grammar_svc.schema.json_grammar import GRAMMAR_REVISION
+from grammar_svc.schema.json_nesting import check_nesting
 from grammar_svc.types import JsonOptions, Kind
-from shared.errors import InvalidGrammarError, LimitExceededError
+from shared.errors import InvalidGrammarError, RequestTooLargeError
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ class GrammarSpec:
         """Cheap admission checks; xgrammar's own parse errors come from the worker."""
         size = self.size_bytes()
         if size > max_spec_bytes:
-            raise LimitExceededError(
-                f"{self.kind.value} spec is {size} bytes; this server accepts at most {max_spec_bytes}"
-            )
+            raise RequestTooLargeError(
+                f"{self.kind.value} spec is {size} bytes; this server accepts at most {max_spec_bytes} "
+                "(--max-spec-bytes)")
         if self.kind in (Kind.JSON_SCHEMA, Kind.JSON_OBJECT):
             self.json_options.validate()
         if self.kind is Kind.JSON_SCHEMA:
@@ -92,6 +93,7 @@ class GrammarSpec:
 
 
 def _parse_json(text: str, what: str):
+    check_nesting(text, what)  # before json.loads, which recurses once per level
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

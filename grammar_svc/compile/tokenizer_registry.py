@@ -20,7 +20,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.errors import InvalidRequestError, LimitExceededError, NotFoundError, UnknownTokenizerError
+from shared.errors import (InvalidRequestError, LimitExceededError, NotFoundError, RequestTooLargeError,
+                           UnknownTokenizerError)
 from shared.tokenizer import fingerprint as fingerprint_of
 
 # A 129k-token TokenizerInfo is 4.4 MB of JSON; allow generous headroom.
@@ -80,7 +81,7 @@ def _inflate(data: bytes, what: str) -> str:
         d = zlib.decompressobj()
         raw = d.decompress(data, MAX_TOKENIZER_JSON_BYTES)
         if d.unconsumed_tail:
-            raise LimitExceededError(f"{what} is larger than {MAX_TOKENIZER_JSON_BYTES} bytes uncompressed")
+            raise RequestTooLargeError(f"{what} is larger than {MAX_TOKENIZER_JSON_BYTES} bytes uncompressed")
         return raw.decode("utf-8")
     except zlib.error as e:
         raise InvalidRequestError(f"{what} is not zlib-compressed data: {e}") from None

@@ -31,13 +31,31 @@ The one exception are keywords xgrammar ignores anyway (`if`/`then`/`else`,
 `not`, `dependencies`...): where two parts of an `allOf` disagree on one, the
 first part's stays, so the rest of the merge still constrains the grammar
 (the service's compile warnings name these keywords).
+
+Merging siblings into branches and inlining `$ref`s copies subschemas, so a
+small schema can normalise to an exponentially large one (sixteen nested
+`{properties: {p: ...}, anyOf: [...]}` levels, or `allOf: [{$ref}, {$ref}]`
+chains). A work budget bounds it: every node produced (walked, merged or
+copied) counts, and past `node_budget(input)` nodes, or nested past
+MAX_DEPTH schemas, the schema is refused (RequestTooLargeError naming the
+keyword path where the budget ran out) rather than growing the process
+without bound.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
+
+from shared.errors import RequestTooLargeError
+
+# Nodes any schema may produce, plus PER_INPUT_NODE for each of its own dicts and lists: far above what real
+# schemas need (docs/benchmarks.md, "Hostile input at the grammar service"), far below what exhausts a worker.
+BASE_NODE_BUDGET = 100_000
+PER_INPUT_NODE = 4
+# Schemas nested in one another while normalising ($ref targets inlined included), and in the result: well
+# inside Python's recursion limit for every reader after this one (json.dumps, xgrammar, jsonschema).
+MAX_DEPTH = 128
 
 # Keywords that do not constrain the document (they stay on the node, never go into branches).
 _ANNOTATIONS = frozenset({
@@ -63,24 +81,108 @@ class _CannotMerge(Exception):
     """Two schemas whose conjunction this module cannot write as one schema."""
 
 
-def normalise_schema(schema: Any) -> Any:
-    """A copy of `schema` in shapes xgrammar compiles right (the same schema where nothing applies)."""
+def normalise_schema(schema: Any, budget: int | None = None) -> Any:
+    """A copy of `schema` in shapes xgrammar compiles right (the same schema where nothing applies).
+
+    RequestTooLargeError past `budget` nodes produced (default: node_budget(schema)) or MAX_DEPTH levels."""
     if not isinstance(schema, dict):
         return schema
     draft = str(schema.get("$schema", ""))
-    return _Normaliser(schema, any(d in draft for d in _DRAFTS_WITH_REF_SIBLINGS)).node(schema)
+    normaliser = _Normaliser(schema, any(d in draft for d in _DRAFTS_WITH_REF_SIBLINGS),
+                             node_budget(schema) if budget is None else budget)
+    out = normaliser.node(schema)
+    # Merges share subtrees between places, so what json.dumps writes may be larger than what was built.
+    _check_tree(out, normaliser.budget)
+    return out
+
+
+def node_budget(schema: Any) -> int:
+    """The nodes normalising `schema` may produce."""
+    return BASE_NODE_BUDGET + PER_INPUT_NODE * _count_nodes(schema)
+
+
+def _count_nodes(value: Any) -> int:
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            n += 1
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            n += 1
+            stack.extend(v)
+    return n
+
+
+def _check_tree(root: Any, budget: int) -> None:
+    """RequestTooLargeError if `root`, written out as a tree, has more than `budget` nodes or nests deeper than
+    MAX_DEPTH (iterative, each shared subtree measured once)."""
+    sizes: dict[int, tuple[int, int]] = {}  # id -> (nodes, depth)
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        v, children_done = stack.pop()
+        if id(v) in sizes:
+            continue
+        children = list(v.values()) if isinstance(v, dict) else v
+        if not children_done:
+            stack.append((v, True))
+            stack.extend((c, False) for c in children if isinstance(c, (dict, list)) and id(c) not in sizes)
+            continue
+        measured = [sizes[id(c)] for c in children if isinstance(c, (dict, list))]
+        nodes = 1 + sum(m[0] for m in measured)
+        depth = 1 + max((m[1] for m in measured), default=0)
+        if nodes > budget:
+            raise _too_large(f"normalising it would write more than {budget} schema nodes")
+        if depth > MAX_DEPTH:
+            raise _too_large(f"normalising it would nest deeper than {MAX_DEPTH} levels")
+        sizes[id(v)] = (nodes, depth)
+
+
+def _too_large(what: str, path: list[str] | None = None) -> RequestTooLargeError:
+    at = f" (at {'/' + '/'.join(path) if path else 'the root'})" if path is not None else ""
+    return RequestTooLargeError(
+        f"json_schema is too complex to compile: {what}{at}; nested anyOf/oneOf beside other keywords and "
+        "allOf of $refs multiply; simplify the schema")
 
 
 class _Normaliser:
-    def __init__(self, root: dict, ref_siblings: bool):
+    def __init__(self, root: dict, ref_siblings: bool, budget: int):
         self.root = root
         self.ref_siblings = ref_siblings
+        self.budget = budget
+        self._produced = 0
+        self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
         self._targets: dict[str, Any] = {}  # normalised $ref targets
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
+
+    def _spend(self, nodes: int = 1) -> None:
+        self._produced += nodes
+        if self._produced > self.budget:
+            raise _too_large(f"normalising it produced more than {self.budget} schema nodes", self._path)
+
+    def _enter(self, part: str) -> None:
+        if len(self._path) >= MAX_DEPTH:
+            raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
+        self._path.append(part)
+
+    def _copy(self, value: Any, depth: int = 0) -> Any:
+        """A deep copy, counted against the budget."""
+        if isinstance(value, dict):
+            self._spend()
+            if depth > MAX_DEPTH:
+                raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
+            return {k: self._copy(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, list):
+            self._spend()
+            if depth > MAX_DEPTH:
+                raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
+            return [self._copy(v, depth + 1) for v in value]
+        return value
 
     def node(self, schema: Any) -> Any:
         if not isinstance(schema, dict):
             return schema
+        self._spend()
         return self._shape({k: self._children(k, v) for k, v in schema.items()})
 
     def _shape(self, out: dict) -> dict:
@@ -110,19 +212,37 @@ class _Normaliser:
 
     def _children(self, key: str, value: Any) -> Any:
         if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            return {k: self.node(v) for k, v in value.items()}
+            return {k: self._child(v, key, k) for k, v in value.items()}
         if key in _SUBSCHEMA_ONE:
-            return [self.node(v) for v in value] if key == "items" and isinstance(value, list) else self.node(value)
+            if key == "items" and isinstance(value, list):
+                return [self._child(v, key, str(i)) for i, v in enumerate(value)]
+            return self._child(value, key)
         if key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            return [self.node(v) for v in value]
+            return [self._child(v, key, str(i)) for i, v in enumerate(value)]
         return value
+
+    def _child(self, schema: Any, *path: str) -> Any:
+        """node(schema) with `path` (a keyword, then a name or an index) added to the path the budget names."""
+        if not isinstance(schema, dict):
+            return schema
+        for part in path:
+            self._enter(part.replace("~", "~0").replace("/", "~1"))
+        try:
+            return self.node(schema)
+        finally:
+            del self._path[len(self._path) - len(path):]
 
     # ------------------------------------------------------------------ allOf / anyOf / oneOf
 
     def _merge_all_of(self, node: dict) -> dict:
         merged = {k: v for k, v in node.items() if k != "allOf"}
-        for part in node["allOf"]:
-            merged = self.merge(merged, self._resolved(part, ()))
+        for i, part in enumerate(node["allOf"]):
+            self._enter("allOf")
+            self._enter(str(i))
+            try:
+                merged = self.merge(merged, self._resolved(part, ()))
+            finally:
+                del self._path[-2:]
         # The merge may have brought an anyOf/oneOf in: it is distributed by the caller.
         return merged
 
@@ -131,9 +251,14 @@ class _Normaliser:
         if not siblings:
             return node
         branches = []
-        for b in node[key]:
-            merged = self.merge(copy.deepcopy(siblings), self._resolved(b, ()))
-            branches.append(self._shape(merged) if isinstance(merged, dict) else merged)
+        for i, b in enumerate(node[key]):
+            self._enter(key)
+            self._enter(str(i))
+            try:
+                merged = self.merge(self._copy(siblings), self._resolved(b, ()))
+                branches.append(self._shape(merged) if isinstance(merged, dict) else merged)
+            finally:
+                del self._path[-2:]
         out = {k: v for k, v in node.items() if k in _ANNOTATIONS}
         out[key] = branches
         return out
@@ -147,15 +272,17 @@ class _Normaliser:
             raise _CannotMerge(f"$ref {ref!r}")  # remote, or a cycle: not inlined
         if ref not in self._targets:
             self._expanding.add(ref)
+            self._enter(ref)
             try:
                 self._targets[ref] = self.node(_pointer(self.root, ref))
             finally:
                 self._expanding.discard(ref)
-        target = self._resolved(copy.deepcopy(self._targets[ref]), seen + (ref,))
+                self._path.pop()
+        target = self._resolved(self._copy(self._targets[ref]), seen + (ref,))
         if not self.ref_siblings:
             return target
         rest = {k: v for k, v in schema.items() if k != "$ref"}
-        return self.merge(copy.deepcopy(target), rest) if rest else target
+        return self.merge(self._copy(target), rest) if rest else target
 
     # ------------------------------------------------------------------ merge
 
@@ -170,6 +297,7 @@ class _Normaliser:
         a, b = self._resolved(a, ()), self._resolved(b, ())
         if "allOf" in a or "allOf" in b:
             raise _CannotMerge("an allOf that could not be merged itself")  # parts arrive normalised
+        self._spend()
         out = dict(a)
         for key, bv in b.items():
             if key not in out:
@@ -189,11 +317,23 @@ class _Normaliser:
         if key in ("properties", "patternProperties") and isinstance(av, dict) and isinstance(bv, dict):
             out = dict(av)
             for name, schema in bv.items():
-                out[name] = self.merge(out[name], schema) if name in out else schema
+                if name in out:
+                    self._enter(key)
+                    self._enter(name)
+                    try:
+                        out[name] = self.merge(out[name], schema)
+                    finally:
+                        del self._path[-2:]
+                else:
+                    out[name] = schema
             return out
         if key in ("items", "additionalProperties", "propertyNames", "contains") and not isinstance(av, list) \
                 and not isinstance(bv, list):
-            return self.merge(av, bv)
+            self._enter(key)
+            try:
+                return self.merge(av, bv)
+            finally:
+                self._path.pop()
         if key in _LOWER_BOUNDS and _numbers(av, bv):
             return max(av, bv)
         if key in _UPPER_BOUNDS and _numbers(av, bv):

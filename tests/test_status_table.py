@@ -1,0 +1,76 @@
+"""The one status table (shared/status.py), a test per row, and its rule.
+
+The rule: a request that can never succeed (malformed, or past a limit it can
+never pass) is INVALID_ARGUMENT, which no client retries; one refused for what
+is happening now is RESOURCE_EXHAUSTED or UNAVAILABLE, which clients retry.
+Each row is stated here as well as in the table, so changing a row's code
+fails its test until both say the same.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from shared import errors
+from shared.status import STATUS_TABLE, error_for_code, status_for
+
+C = grpc.StatusCode
+NEVER_SUCCEEDS, TRY_LATER, OTHER = "never succeeds", "try later", "other"
+ROWS = [
+    pytest.param(errors.InvalidGrammarError, C.INVALID_ARGUMENT, NEVER_SUCCEEDS, id="invalid-grammar"),
+    pytest.param(errors.InvalidRequestError, C.INVALID_ARGUMENT, NEVER_SUCCEEDS, id="invalid-request"),
+    pytest.param(errors.RequestTooLargeError, C.INVALID_ARGUMENT, NEVER_SUCCEEDS, id="request-too-large"),
+    pytest.param(errors.LimitExceededError, C.RESOURCE_EXHAUSTED, TRY_LATER, id="limit-exceeded-busy-now"),
+    pytest.param(errors.CompileTimeoutError, C.DEADLINE_EXCEEDED, OTHER, id="compile-timeout"),
+    pytest.param(errors.CheckTimeoutError, C.DEADLINE_EXCEEDED, OTHER, id="check-timeout"),
+    pytest.param(errors.UnknownTokenizerError, C.FAILED_PRECONDITION, OTHER, id="unknown-tokenizer"),
+    pytest.param(errors.NotFoundError, C.NOT_FOUND, OTHER, id="not-found"),
+    pytest.param(errors.UnavailableError, C.UNAVAILABLE, TRY_LATER, id="unavailable"),
+    pytest.param(errors.CancelledError, C.CANCELLED, OTHER, id="cancelled"),
+    pytest.param(errors.GrammarDesyncError, C.ABORTED, TRY_LATER, id="grammar-desync"),
+    pytest.param(errors.InternalError, C.INTERNAL, OTHER, id="internal"),
+]
+# Codes clients retry (the OpenAI SDKs retry 408, 409, 429 and 5xx; gRPC clients UNAVAILABLE and the like).
+RETRIED = {C.RESOURCE_EXHAUSTED, C.UNAVAILABLE, C.ABORTED, C.DEADLINE_EXCEEDED, C.INTERNAL}
+
+
+def test_every_row_is_tested_here():
+    assert set(STATUS_TABLE) == {p.values[0] for p in ROWS}
+
+
+@pytest.mark.parametrize("cls, code, kind", ROWS)
+def test_row(cls, code, kind):
+    assert STATUS_TABLE[cls] == code
+    assert status_for(cls("what went wrong")) == (code, "what went wrong")
+    if kind == NEVER_SUCCEEDS:
+        assert code not in RETRIED
+    elif kind == TRY_LATER:
+        assert code in RETRIED
+
+
+@pytest.mark.parametrize("cls, code", [
+    # Subclasses take their base's row (the table is searched along the MRO).
+    pytest.param(errors.NoAllowedTokenError, C.INVALID_ARGUMENT, id="no-allowed-token"),
+    pytest.param(errors.GrammarCrashError, C.INVALID_ARGUMENT, id="grammar-crash"),
+])
+def test_subclasses_take_their_bases_row(cls, code):
+    assert status_for(cls("m"))[0] == code
+
+
+def test_a_limit_that_can_never_pass_is_not_a_busy_limit():
+    # Two types, so nothing can raise the retried code for a request that can never succeed.
+    assert not issubclass(errors.RequestTooLargeError, errors.LimitExceededError)
+    assert issubclass(errors.RequestTooLargeError, errors.InvalidRequestError)
+
+
+def test_anything_else_is_internal_with_an_incident_and_no_traceback():
+    code, message = status_for(KeyError("secret detail"))
+    assert code == C.INTERNAL and "incident" in message and "secret" not in message
+
+
+def test_codes_received_from_another_service_become_the_first_row_for_them():
+    assert type(error_for_code(C.INVALID_ARGUMENT.value[0], "m", errors.UnavailableError)) is errors.InvalidGrammarError
+    assert type(error_for_code(C.RESOURCE_EXHAUSTED.value[0], "m", errors.UnavailableError)) is errors.LimitExceededError
+    # Another service's bug is this side's default, never INTERNAL.
+    assert type(error_for_code(C.INTERNAL.value[0], "m", errors.UnavailableError)) is errors.UnavailableError
