@@ -208,9 +208,10 @@ class _EbnfCache:
     """Converted schemas by a digest of their text: what it holds is bounded in bytes as well as in entries.
 
     Keyed by the full schema text, a cache of 256 would pin 256 client
-    schemas of any size in the API process; here a key is 32 bytes and
-    the values (the EBNF) count against EBNF_CACHE_BYTES, least recently
-    used out first. Worker threads share it (the conversions run off the
+    schemas of any size in the API process (docs/benchmarks.md, "Hostile
+    input at the inference service"); here a key is 32 bytes and the
+    values (the EBNF) count against EBNF_CACHE_BYTES, least recently used
+    out first. Worker threads share it (the conversions run off the
     event loop).
     """
 
