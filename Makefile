@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/structd up
 
+# Two workers, each taking whole files: a module's servers start once, on the worker that runs it
+# (a session fixture's start once per worker). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench-grammar: setup
 	$(VENV)/bin/structd bench grammar

@@ -1,4 +1,5 @@
-"""Shared fixtures: each real service starts once per test session.
+"""Shared fixtures: each real service starts once per test session (under `make test`'s pytest-xdist, once per
+worker that runs a test needing it).
 
 The grammar server runs in-process on its own event loop thread (so tests can
 look at its internals, e.g. killed compile workers) and is reached over real
