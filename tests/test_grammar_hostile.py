@@ -8,7 +8,9 @@
   (--worker-memory-limit-bytes): a compile that needs more fails alone,
   naming the flag, and the next compile runs on a fresh worker;
 - a document nested a thousand deep is INVALID_ARGUMENT naming the nesting
-  limit (it was RecursionError: INTERNAL);
+  limit (it was RecursionError: INTERNAL), and so are NaN, Infinity and
+  1e400, which Python's json reads (the schema fuzzer's finding: a NaN length
+  bound was an OverflowError in the worker);
 - a check worker that dies (killed here for real) fails the check it was
   running, UNAVAILABLE saying so, and the checks after it run on a new pool
   (the broken pool used to answer every later check with an error).
@@ -157,6 +159,18 @@ def test_a_document_nested_a_thousand_deep_is_invalid_argument(registered, make_
     err = rpc_error(registered.target, lambda c: c.compile(registered.fingerprint, make_spec(), rpc_timeout=60))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert f"limit of {MAX_NESTING} levels" in err.details()
+
+
+@pytest.mark.parametrize("schema", [
+    pytest.param('{"type": "string", "pattern": "^[a-z]+$", "maxLength": NaN}', id="nan"),
+    pytest.param('{"type": "string", "pattern": "^[a-z]+$", "minLength": Infinity}', id="infinity"),
+    pytest.param('{"type": "integer", "maximum": 1e400}', id="past-a-double"),
+])
+def test_numbers_json_does_not_have_are_invalid_argument(registered, schema):
+    # Found by tests/test_schema_fuzz.py: a non-finite length bound was an OverflowError in the worker (INTERNAL).
+    err = rpc_error(registered.target, lambda c: c.compile(registered.fingerprint, json_schema(schema), rpc_timeout=60))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "is not valid JSON" in err.details()
 
 
 def test_nesting_at_the_limit_compiles(registered):

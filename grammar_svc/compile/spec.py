@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 from grammar_svc.schema.json_grammar import GRAMMAR_REVISION
@@ -95,9 +96,28 @@ class GrammarSpec:
 def _parse_json(text: str, what: str):
     check_nesting(text, what)  # before json.loads, which recurses once per level
     try:
-        return json.loads(text)
+        # NaN, Infinity and numbers past a double (1e400) are not JSON, though Python's json reads them: a
+        # bound of NaN or infinity would reach the normaliser and xgrammar as a number.
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except json.JSONDecodeError as e:
         raise InvalidGrammarError(f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except _NotJsonError as e:
+        raise InvalidGrammarError(f"{what} is not valid JSON: {e}") from None
+
+
+class _NotJsonError(ValueError):
+    """A number Python's json reads and JSON does not have."""
+
+
+def _not_json(name: str):
+    raise _NotJsonError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _NotJsonError(f"{text} is past the largest number a JSON Schema bound can hold")
+    return value
 
 
 def choice_ebnf(choices: list[str]) -> str:

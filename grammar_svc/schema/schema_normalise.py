@@ -185,13 +185,15 @@ class _Normaliser:
         self._spend()
         return self._shape({k: self._children(k, v) for k, v in schema.items()})
 
-    def _shape(self, out: dict) -> dict:
+    def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
         if isinstance(out.get("allOf"), list) and out["allOf"]:
             try:
                 out = self._merge_all_of(out)
             except _CannotMerge:
                 pass  # left as it was: xgrammar's own approximation (its compile warning says so)
+            if not isinstance(out, dict):
+                return out  # `{"allOf": [false]}` is the schema `false`
         for key in ("anyOf", "oneOf"):
             if isinstance(out.get(key), list) and out[key] and not ("anyOf" in out and "oneOf" in out):
                 try:
