@@ -151,10 +151,9 @@ class CheckWorkerDiedError(UnavailableError):
 def _warm(memory_limit_bytes: int = 0) -> None:
     """Caps the worker's address space, then imports the validator library when the worker starts, not under
     the first check's deadline."""
-    import resource
+    from grammar_svc.compile.compile_worker import limit_address_space
 
-    if memory_limit_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+    limit_address_space(memory_limit_bytes)
     import jsonschema  # noqa: F401
 
 

@@ -155,8 +155,8 @@ class _Normaliser:
         self._targets: dict[str, Any] = {}  # normalised $ref targets
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
 
-    def _spend(self, nodes: int = 1) -> None:
-        self._produced += nodes
+    def _spend(self) -> None:
+        self._produced += 1
         if self._produced > self.budget:
             raise _too_large(f"normalising it produced more than {self.budget} schema nodes", self._path)
 
@@ -167,17 +167,14 @@ class _Normaliser:
 
     def _copy(self, value: Any, depth: int = 0) -> Any:
         """A deep copy, counted against the budget."""
+        if not isinstance(value, (dict, list)):
+            return value
+        self._spend()
+        if depth > MAX_DEPTH:
+            raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
         if isinstance(value, dict):
-            self._spend()
-            if depth > MAX_DEPTH:
-                raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
             return {k: self._copy(v, depth + 1) for k, v in value.items()}
-        if isinstance(value, list):
-            self._spend()
-            if depth > MAX_DEPTH:
-                raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
-            return [self._copy(v, depth + 1) for v in value]
-        return value
+        return [self._copy(v, depth + 1) for v in value]
 
     def node(self, schema: Any) -> Any:
         if not isinstance(schema, dict):
