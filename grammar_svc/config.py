@@ -55,7 +55,7 @@ class GrammarServiceConfig:
     # Address-space cap (RLIMIT_AS) of each compile and check worker, 0: none. Virtual memory, so it sits
     # well above what a worker maps once its imports are done (torch and xgrammar map a lot they never
     # touch): docs/benchmarks.md, "Hostile input at the grammar service", says how it was chosen.
-    worker_memory_limit_bytes: int = 4 << 30
+    worker_memory_limit_bytes: int = 2 << 30
     preload_file: Path | None = None
     # Tokenizer directory the preload file is compiled for (None: the embedded default).
     preload_tokenizer: Path | None = None
