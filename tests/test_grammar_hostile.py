@@ -6,7 +6,8 @@
   about a second of one worker, and the replica goes on serving;
 - compile and check workers run under an address-space cap
   (--worker-memory-limit-bytes): a compile that needs more fails alone,
-  naming the flag, and the next compile runs on a fresh worker;
+  naming the flag, and the next compile runs on a fresh worker; a check
+  that needs more fails alone and its worker checks the next;
 - a document nested a thousand deep is INVALID_ARGUMENT naming the nesting
   limit (it was RecursionError: INTERNAL), and so are NaN, Infinity and
   1e400, which Python's json reads (the schema fuzzer's finding: a NaN length
@@ -15,23 +16,25 @@
   running, UNAVAILABLE saying so, and the checks after it run on a new pool
   (the broken pool used to answer every later check with an error).
 
-Most tests use the session's server; the memory cap's own test starts one
-with a cap barely above what a worker maps, since it must make a worker run
-out of address space.
+Most tests use the session's server; the memory cap's own tests start a
+server (compiles) and check workers (checks) with a cap barely above what a
+worker maps, since they must make a worker run out of address space.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import multiprocessing
 import os
 import signal
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 
 import grpc
 import pytest
 import xgrammar as xgr
 
+from grammar_svc import output_check
 from grammar_svc.schema.json_nesting import MAX_NESTING
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
@@ -147,6 +150,20 @@ def test_a_compile_past_the_memory_cap_fails_alone(grammar_server):
         assert ok.grammar_id
     finally:
         srv.stop()
+
+
+def test_a_check_past_the_memory_cap_fails_alone():
+    """The check side of the cap, on check workers built as the server builds them (a 10 MB document cannot
+    reach a check through the server: its token ids would pass gRPC's message limit). 64 MiB above what a
+    warm check worker maps, parsing ten million numbers runs out; the worker lives on and checks the next."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=output_check._warm) as pool:
+        # Read from here: a function of this module would import it, and all it imports, into the worker.
+        cap = vm_size_bytes(pool.submit(os.getpid).result()) + (64 << 20)
+    with ProcessPoolExecutor(1, mp_context=context, initializer=output_check._warm, initargs=(cap,)) as pool:
+        with pytest.raises(output_check.CheckOutOfMemoryError):
+            pool.submit(output_check.check_document, '{"type": "array"}', b"[" + b"1," * 10_000_000 + b"1]").result()
+        assert pool.submit(output_check.check_document, '{"type": "array"}', b"[1]").result().total == 0
 
 
 @pytest.mark.parametrize("make_spec", [
