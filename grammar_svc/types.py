@@ -5,8 +5,8 @@ grammar.v1), by compile/spec.py (the cache key, admission) and by
 schema/json_grammar.py (how the grammar lays out its JSON), which is the
 layer below compile/: kept in compile/, they would make the schema layer
 import the one above it, or take its options untyped. Here they are below
-every layer: this module imports nothing of the service (anything it ever
-needs to name goes under TYPE_CHECKING), as vLLM keeps its structured-output
+every layer: this module imports nothing of the service, not even under
+TYPE_CHECKING (the cycle check counts those too), as vLLM keeps its structured-output
 types in `v1/structured_output/backend_types.py`.
 """
 
