@@ -10,9 +10,8 @@ circle. Kept here instead, as vLLM keeps its structured-output types in
 `v1/structured_output/backend_types.py`: this module imports nothing of the
 service, not even under TYPE_CHECKING (tests/test_import_rules.py counts
 those in its cycle check too), so any layer may import it and it closes no
-cycle. It holds data and the one
-interface the engine calls on the API layer's tool-call parser; behaviour
-belongs to the layer that owns it.
+cycle. It holds data and the one interface the engine calls on the API
+layer's tool-call parser; behaviour belongs to the layer that owns it.
 """
 
 from __future__ import annotations
