@@ -105,7 +105,7 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
             tok, already = await self.backend.register_tokenizer(
                 request.tokenizer_fingerprint, request.tokenizer_info_json_zlib, request.hf_tokenizer_json_zlib)
         except Exception as e:  # noqa: BLE001 - mapped by the one status table
-            await status_map.abort(context, e)
+            return status_map.refuse(context, e)
         return pb.RegisterTokenizerResponse(
             tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size,
             already_registered=already, jump_forward_supported=tok.hf_tokenizer is not None)
@@ -120,8 +120,9 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
                 timeout = min(timeout, remaining) if timeout > 0 else min(remaining, self.backend.default_timeout_seconds)
             result = await self.backend.compile(request.tokenizer_fingerprint, spec_from_proto(request.spec), timeout,
                                                 caller=caller_of(context))
-        except Exception as e:  # noqa: BLE001
-            await status_map.abort(context, e)
+        except Exception as e:  # noqa: BLE001 - mapped by the one status table
+            # Set, not raised (shared.status.refuse says why): a refused spec is up to the message limit.
+            return status_map.refuse(context, e)
         entry = result.entry
         return pb.CompileResponse(
             grammar_id=entry.grammar_id, warnings=entry.warnings, cache_hit=result.cache_hit,
@@ -132,7 +133,7 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
         try:
             report = await self.checks.check(request.grammar_id, request.token_ids, context.time_remaining())
         except Exception as e:  # noqa: BLE001 - mapped by the one status table
-            await status_map.abort(context, e)
+            return status_map.refuse(context, e)
         return pb.CheckOutputResponse(
             violations=[pb.OutputViolation(keyword=v.keyword, instance_pointer=v.instance_pointer, message=v.message)
                         for v in report.violations],
@@ -153,7 +154,7 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
                 yield step_response(request.step_id, outcome)
                 stepper.observe(outcome)
         except Exception as e:  # noqa: BLE001 - per-session errors never get here; this is a bug
-            await status_map.abort(context, e)
+            status_map.refuse(context, e)
         finally:
             self.metrics.active_streams.dec()
             sessions.close_all()

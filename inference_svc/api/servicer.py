@@ -13,7 +13,7 @@ from shared import errors
 from shared.client_identity import acting_for
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.status import status_for
+from shared.status import refuse
 
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -190,7 +190,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             while True:
                 out = await req.outputs.get()
                 if out.error is not None:
-                    _refuse(context, out.error)
+                    refuse(context, out.error)
                     return
                 # The grammar has compiled before the first output, so its warnings are known by now.
                 yield response(out, req.warnings if first else ())
@@ -202,26 +202,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             engine.cancel(req)
 
     async def _submit(self, request: pb.GenerateRequest, context) -> SubmittedRequest | None:
-        """The request as the engine accepted it; None when it was refused, the call's status then set to why.
-
-        Set, not raised with context.abort (here and for a failure while the
-        answer streams): grpc's AbortError passes through its own frames,
-        which hold the request message, into reference cycles that only a
-        full collection frees (rare in a process of millions of objects), so
-        each refused request's bytes, up to the message limit, stayed
-        behind."""
+        """The request as the engine accepted it; None when it was refused, the call's status then set to why
+        (set, not raised: shared.status.refuse says why)."""
         engine = self.frontend.engine
         try:
             end_client = acting_for(context.auth_context(), context.invocation_metadata())
             return await self.frontend.submit(client_request(request, engine.config, engine.max_model_len, end_client))
         except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
-            _refuse(context, e)
+            refuse(context, e)
         return None
-
-
-def _refuse(context, error: BaseException) -> None:
-    """Ends the call with the status the one table gives `error` (see InferenceServicer._submit: not raised)."""
-    code, message = status_for(error)
-    context.set_code(code)
-    context.set_details(message)
-
