@@ -14,21 +14,27 @@ import json
 import random
 import re
 import signal
+from collections import Counter
 
 import pytest
 
 from structd.bench import soak as bench_soak
+from structd.bench import soak_hostile as bench_soak_hostile
 from structd.bench import soak_report as bench_soak_report
 from structd import cli
 
 
+def _soak(tmp_path, *flags: str) -> dict:
+    """`structd bench soak` through the CLI entry point, sampling every second; its JSON."""
+    assert cli.main(["bench", "soak", "--out", str(tmp_path), "--sample-seconds", "1", "--settle-seconds", "20",
+                     *flags]) == 0
+    return json.loads((tmp_path / "soak.json").read_text())
+
+
 def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, capsys):
-    rc = cli.main(["bench", "soak", "--out", str(tmp_path), "--duration-seconds", "12", "--streams", "16",
-                   "--restart-every-seconds", "6", "--max-tokens", "32", "--warmup-seconds", "4",
-                   "--sample-seconds", "1", "--progress-seconds", "5", "--settle-seconds", "20",
-                   "--request-timeout-seconds", "30"])
-    assert rc == 0
-    result = json.loads((tmp_path / "soak.json").read_text())
+    result = _soak(tmp_path, "--duration-seconds", "12", "--streams", "16", "--restart-every-seconds", "6",
+                   "--max-tokens", "32", "--warmup-seconds", "4", "--progress-seconds", "5",
+                   "--request-timeout-seconds", "30")
     png = tmp_path / "soak.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -66,6 +72,36 @@ def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, caps
     out = capsys.readouterr()
     assert "| requests lost to faults |" in out.out and "KILL r1 at 6 s" in out.out
     assert len(re.findall(r"\] t=\d+ s: ", out.err)) >= 2 and "restart 1: SIGKILL to grammar replica 1" in out.err
+
+
+def test_hostile_requests_mixed_in_are_refused_and_lose_no_ordinary_request(tmp_path, capsys):
+    """Issue 24's hostile cases at 1/s beside 8 streams for 8 s, no restart: every hostile request is refused
+    INVALID_ARGUMENT and counted apart, no ordinary request is lost, and the memory watch reports every process
+    of the stack, workers included."""
+    result = _soak(tmp_path, "--duration-seconds", "8", "--streams", "8", "--restart-every-seconds", "0",
+                   "--hostile-rate", "1", "--max-tokens", "16", "--warmup-seconds", "2",
+                   "--request-timeout-seconds", "60")
+    q, h = result["requests"], result["hostile"]
+    assert q["lost"] == 0 and q["completed"] > 0, q["lost_examples"]
+    assert h["expected_status"] == "INVALID_ARGUMENT" and h["unexpected"] == 0, h["cases"]
+    assert set(h["cases"]) == set(bench_soak_hostile.CASES)
+    assert all(c["sent"] >= 1 and c["refused_as_expected"] == c["sent"] for c in h["cases"].values()), h["cases"]
+    assert h["sent"] == h["refused_as_expected"] >= 6
+
+    m = result["memory"]
+    assert set(m["by_service"]) == {"inference", "grammar replica 1", "grammar replica 2"}
+    for service, s in m["by_service"].items():
+        # The largest process's VmHWM may pass the sum of RSS at any sample: it is its peak between samples too.
+        assert s["peak_process_mib"] > 50 and s["peak_total_mib"] > 50, (service, s)
+    roles = Counter((p["service"], p["role"]) for p in m["processes"])
+    # The inference server (on the simulated runner its engine core runs in it), each replica and its workers.
+    assert roles[("inference", "server")] == 1
+    for replica in ("grammar replica 1", "grammar replica 2"):
+        assert roles[(replica, "server")] == 1 and roles[(replica, "worker")] >= 2, roles
+    assert result["first_chunk_seconds"]["count"] > 0
+    out = capsys.readouterr().out
+    assert "| hostile requests sent / refused INVALID_ARGUMENT / anything else |" in out
+    assert "| peak RSS, grammar replica 2: largest process" in out
 
 
 def test_restarts_alternate_replicas_and_each_replica_alternates_signals():

@@ -15,8 +15,12 @@ OK or the client's own cancel, by status code, and streams the server ended
 with finish reason CANCELLED or ERROR), completed constrained outputs that do
 not satisfy their constraint (by reason), grammar sessions and KV blocks still
 held once the load has stopped and the services settled, the inference
-XX
-time. One progress line every --progress-seconds on stderr.
+service's RSS (API server and engine core) over time and its growth after
+warm-up, every process's peak RSS (soak_memory.py), each request's wait for
+its first chunk, and throughput over time. With --hostile-rate, issue 24's
+hostile requests are mixed in (soak_hostile.py), counted apart: each must be
+refused INVALID_ARGUMENT, and none counts as lost. One progress line every
+--progress-seconds on stderr.
 
 Writes <out>/soak.json and <out>/soak.png, prints a markdown summary on stdout.
 """
@@ -40,6 +44,8 @@ from pathlib import Path
 
 from structd.bench.e2e.workload import SCHEMAS
 from structd.bench.harness import ChildService, UsageError, free_port, machine, process_and_children, progress
+from structd.bench.soak_hostile import HostileTally, send_hostile
+from structd.bench.soak_memory import MemoryWatch
 from structd.bench.soak_report import markdown, plot, summarize  # noqa: F401 - markdown, plot: this Benchmark's
 from structd.up import Backoff
 
@@ -79,6 +85,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--settle-seconds", type=float, default=30.0,
                         help="after the load, wait at most this long for sessions and KV blocks to return to 0")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--hostile-rate", type=float, default=0.0,
+                        help="hostile requests/s mixed in beside the streams, issue 24's cases in turn, each expected "
+                             "to be refused INVALID_ARGUMENT and counted apart from the ordinary requests (0: none)")
 
 
 def check_arguments(args) -> None:
@@ -91,6 +100,8 @@ def check_arguments(args) -> None:
         problems.append("need 1 <= --min-tokens <= --max-tokens")
     if args.restart_every_seconds < 0 or args.sample_seconds <= 0 or args.progress_seconds <= 0:
         problems.append("--restart-every-seconds must be >= 0, --sample-seconds and --progress-seconds positive")
+    if args.hostile_rate < 0:
+        problems.append("--hostile-rate must be >= 0")
     if args.simulate_step_ms <= 0:
         problems.append("--simulate-step-ms must be positive (the soak runs on the simulated runner)")
     if problems:
@@ -308,6 +319,7 @@ class Tally:
     invalid_times: list = field(default_factory=list)  # (seconds since start, reason)
     tokens: int = 0
     in_flight: int = 0
+    first_chunk_seconds: list = field(default_factory=list)  # per request that got a chunk: its wait for the first
 
     def fault(self, t: float, code: str, message: str) -> None:
         self.lost[code] += 1
@@ -337,8 +349,11 @@ async def one_request(client, req: SoakRequest, timeout: float, tally: Tally, t0
     texts: list[str] = []
     fault: tuple[str, str] | None = None
     stream = client.generate(req.prompt, timeout=timeout, **req.options)
+    began = time.monotonic()
     try:
         async for chunk in stream:
+            if not chunks:
+                tally.first_chunk_seconds.append(time.monotonic() - began)
             chunks += 1
             tally.tokens += len(chunk.token_ids)
             texts.append(chunk.text)
@@ -380,6 +395,8 @@ async def run_soak(args, services: Services) -> dict:
     grammar, inference = services.grammar, services.inference
 
     tally = Tally()
+    hostile = HostileTally()
+    memory = MemoryWatch()
     samples: list[dict] = []
     restarts: list[dict] = []
     rng = random.Random(args.seed)
@@ -398,6 +415,8 @@ async def run_soak(args, services: Services) -> dict:
 
     async def sample() -> dict:
         t = time.monotonic() - t0
+        memory.sample(t, {"inference": inference.proc.pid,
+                          **{r.name: r.svc.proc.pid if r.svc is not None else None for r in grammar}})
         imetrics = await asyncio.to_thread(metrics_text, inference.metrics_port)
         gmetrics = await asyncio.gather(*(asyncio.to_thread(metrics_text, r.metrics_port) for r in grammar))
         return {"t": round(t, 3), "rss_bytes": rss_bytes(inference.proc.pid), "tokens": tally.tokens,
@@ -441,6 +460,9 @@ async def run_soak(args, services: Services) -> dict:
     sampling = asyncio.create_task(sampler())
     restarting = asyncio.create_task(restarter())
     workers = [asyncio.create_task(worker(i)) for i in range(args.streams)]
+    hostile_sender = asyncio.create_task(
+        send_hostile(inference.target, args.hostile_rate, deadline, args.request_timeout_seconds, hostile)
+        if args.hostile_rate else asyncio.sleep(0))
     # The workers stop starting requests at the deadline; the last ones end within their own deadline.
     done, pending = await asyncio.wait(workers, timeout=args.duration_seconds + args.request_timeout_seconds + 30)
     for w in pending:
@@ -450,6 +472,7 @@ async def run_soak(args, services: Services) -> dict:
     for w in done:
         if w.exception() is not None:
             raise w.exception()  # the benchmark's own bug: not a service fault, so not counted as one
+    await hostile_sender  # its last requests end within their own deadline
     load_seconds = time.monotonic() - t0
     await restarting  # a restart in progress completes before the services are asked to settle
     load_over.set()
@@ -483,7 +506,8 @@ async def run_soak(args, services: Services) -> dict:
             counters[name] = float(value)
     return {"tally": tally, "samples": samples, "restarts": restarts, "unfinished_at_end": unfinished,
             "load_seconds": load_seconds, "settle_seconds": settled, "final": final,
-            "inference_counters": counters}
+            "inference_counters": counters, "hostile": hostile.figures() if args.hostile_rate else None,
+            "memory": memory.figures()}
 
 
 def progress_line(s: dict, samples: list[dict], restarts: int, over: bool) -> str:

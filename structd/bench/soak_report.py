@@ -85,8 +85,19 @@ def summarize(args, run: dict) -> dict:
         "invalid_output_times": tally.invalid_times,
         "inference_counters": run["inference_counters"],
         "faults_seen": faults,
+        "first_chunk_seconds": quantiles(tally.first_chunk_seconds),
+        "hostile": run["hostile"],
+        "memory": run["memory"],
         "samples": samples,
     }
+
+
+def quantiles(values: list[float]) -> dict:
+    """Count, p50, p95, p99 and max of `values` (None where there are none)."""
+    if not values:
+        return {"count": 0, "p50": None, "p95": None, "p99": None, "max": None}
+    a = np.asarray(values)
+    return {"count": len(values), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)}, "max": float(a.max())}
 
 
 def _fmt(x, spec: str = ".1f") -> str:
@@ -118,12 +129,28 @@ def markdown(result: dict) -> str:
              f"| throughput: mean (min-max per interval) tokens/s | {_fmt(tp['tokens_per_second_mean'], '.0f')} "
              f"({_fmt(tp['tokens_per_second_min_interval'], '.0f')}-{_fmt(tp['tokens_per_second_max_interval'], '.0f')}) |",
              f"| completed requests/s | {_fmt(q['completed_per_second'])} |"]
+    fc = result.get("first_chunk_seconds")
+    if fc and fc["count"]:
+        lines.append(f"| ordinary requests' wait for the first chunk: p50 / p95 / p99 / max (ms) | "
+                     f"{fc['p50'] * 1e3:.0f} / {fc['p95'] * 1e3:.0f} / {fc['p99'] * 1e3:.0f} / {fc['max'] * 1e3:.0f} |")
+    h = result.get("hostile")
+    if h:
+        lines.append(f"| hostile requests sent / refused {h['expected_status']} / anything else | {h['sent']} / "
+                     f"{h['refused_as_expected']} / {h['unexpected']} |")
+        for name, c in h["cases"].items():
+            lines.append(f"| hostile: {name} | {c['sent']} sent, {c['refused_as_expected']} refused, "
+                         f"{c['unexpected']} else{': ' + '; '.join(c['unexpected_examples']) if c['unexpected'] else ''}"
+                         f" (slowest refusal {_fmt(c['refusal_seconds_max'], '.2f')} s) |")
+    for service, m in (result.get("memory") or {}).get("by_service", {}).items():
+        lines.append(f"| peak RSS, {service}: largest process ({m['peak_process_role']}) / all its "
+                     f"{m['processes_seen']} processes at once (MiB) | {m['peak_process_mib']:.0f} / "
+                     f"{m['peak_total_mib']:.0f} |")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
     samples = result["samples"]
-    fig, axes = pyplot().subplots(3, 1, figsize=(13, 11), sharex=True)
+    fig, axes = pyplot().subplots(4, 1, figsize=(13, 14), sharex=True)
     t = [s["t"] for s in samples]
 
     ax = axes[0]
@@ -155,7 +182,7 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[2]
     ax.plot(t, [s["kv_cache_usage_ratio"] if s["kv_cache_usage_ratio"] is not None else np.nan for s in samples],
             "C3-", label="KV cache usage ratio")
-    ax.set(ylabel="KV usage", xlabel="seconds since the load started",
+    ax.set(ylabel="KV usage",
            title="KV cache usage and open grammar sessions (black line: no new requests from here; "
                  "grey: the idle check)")
     ax3 = ax.twinx()
@@ -166,6 +193,7 @@ def plot(result: dict, path: Path) -> None:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax3.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
+    memory_panel(axes[3], result)
     settle = [s["t"] for s in samples if s.get("settle")]
     for a in axes:
         a.axvline(result["arguments"]["duration_seconds"], color="black", lw=0.8)
@@ -180,3 +208,18 @@ def plot(result: dict, path: Path) -> None:
         axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle(result.get("title", "structd bench soak"), fontsize=10)
     save_figure(fig, path)
+
+
+def memory_panel(ax, result: dict) -> None:
+    """Each service's processes' RSS summed at each sample (its workers included), and hostile requests sent."""
+    watched = (result.get("memory") or {}).get("samples", [])
+    services = list((result.get("memory") or {}).get("by_service", {}))
+    for i, service in enumerate(services):
+        ax.plot([s["t"] for s in watched], [s["rss_bytes"].get(service) / MIB if s["rss_bytes"].get(service)
+                                            else np.nan for s in watched], f"C{i}-", lw=0.9, label=service)
+    rate = result["arguments"].get("hostile_rate")
+    ax.set(ylabel="MiB", xlabel="seconds since the load started",
+           title="RSS of each service's processes, workers included"
+                 + (f" (hostile requests mixed in at {rate:g}/s)" if rate else ""))
+    if services:
+        ax.legend(fontsize=7, loc="upper left")
