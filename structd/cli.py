@@ -20,7 +20,6 @@ from pathlib import Path
 
 from shared.entry import setup_logging
 from shared.flags import FlagSet
-from structd import cli_reference
 
 # Subcommand -> the service entry module it runs.
 SERVICES = {"grammar": "grammar_svc.__main__", "inference": "inference_svc.__main__", "gateway": "gateway.__main__"}
@@ -136,6 +135,8 @@ def _add_bench(sub) -> None:
 
 
 def _add_docs(sub) -> None:
+    from structd import cli_reference
+
     docs = sub.add_parser("docs", help="documentation written from the code")
     dsub = docs.add_subparsers(dest="docs", required=True)
     p = dsub.add_parser("cli", help="docs/cli.md, this command line's reference, from its parsers",
@@ -166,7 +167,9 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
         p.set_defaults(func=generate.run)
     if _installed("structd.bench"):
         _add_bench(sub)
-    _add_docs(sub)
+    # Not in the images (each copies only the CLI modules its service needs).
+    if _installed("structd.cli_reference"):
+        _add_docs(sub)
     return parser
 
 
