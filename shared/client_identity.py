@@ -9,9 +9,10 @@ filter by name, so `AllowedClients` is a server interceptor that reads each
 call's authenticated peer (its certificate's CN and SANs) and refuses
 everyone else with PERMISSION_DENIED before the handler runs.
 
-`END_CLIENT_METADATA` carries the end client a caller acts for (the
-gateway sets it from the API key; the inference service passes on its own
-client's identity to the grammar tier). It is believed only from callers
+`END_CLIENT_METADATA` carries the end client a caller acts for (a caller
+of the inference service that fronts many users names each one there; the
+gateway does not yet, having no API keys; the inference service passes its
+own caller's identity on to the grammar tier). It is believed only from callers
 that authenticated with a certificate, which an allow-list narrows to the
 operator's own services: per-caller limits then count each end client
 apart.
