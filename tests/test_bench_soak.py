@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import signal
+import subprocess
+import threading
 from collections import Counter
 
 import pytest
 
 from structd.bench import soak as bench_soak
 from structd.bench import soak_hostile as bench_soak_hostile
+from structd.bench import soak_memory as bench_soak_memory
 from structd.bench import soak_report as bench_soak_report
 from structd import cli
 
@@ -102,6 +106,32 @@ def test_hostile_requests_mixed_in_are_refused_and_lose_no_ordinary_request(tmp_
     out = capsys.readouterr().out
     assert "| hostile requests sent / refused INVALID_ARGUMENT / anything else |" in out
     assert "| peak RSS, grammar replica 2: largest process" in out
+
+
+def test_the_memory_watch_finds_children_started_from_any_thread(tmp_path):
+    """A pool's worker is started by the thread that submitted to it, and /proc lists it under that thread only."""
+    started, done = threading.Event(), threading.Event()
+    children: list[subprocess.Popen] = []
+
+    def start_one() -> None:
+        children.append(subprocess.Popen(["sleep", "60"]))
+        started.set()
+        done.wait()  # the thread lives on, as a pool's does
+
+    thread = threading.Thread(target=start_one)
+    thread.start()
+    try:
+        started.wait()
+        watch = bench_soak_memory.MemoryWatch()
+        watch.sample(0.0, {"this test": os.getpid()})
+        roles = {p["pid"]: p["role"] for p in watch.processes.values()}
+        assert roles[os.getpid()] == "server" and roles[children[0].pid] == "worker"
+        assert watch.figures()["by_service"]["this test"]["processes_seen"] >= 2
+    finally:
+        children[0].kill()
+        children[0].wait()
+        done.set()
+        thread.join()
 
 
 def test_restarts_alternate_replicas_and_each_replica_alternates_signals():

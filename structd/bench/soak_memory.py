@@ -23,10 +23,13 @@ def descendants(pid: int) -> list[int]:
     while todo:
         one = todo.pop()
         out.append(one)
-        try:
-            todo.extend(int(c) for c in Path(f"/proc/{one}/task/{one}/children").read_text().split())
-        except (OSError, ValueError):
-            pass  # the process's: it is gone, or has no children file to read
+        # Every thread's children: a process started from a thread other than the main one (a pool's
+        # worker, started by the thread that submitted to it) is listed under that thread only.
+        for task in Path(f"/proc/{one}/task").glob("*"):
+            try:
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (OSError, ValueError):
+                pass  # the thread's: it ended, or has no children file to read
     return out
 
 
