@@ -102,6 +102,7 @@ def test_hostile_requests_mixed_in_are_refused_and_lose_no_ordinary_request(tmp_
     assert roles[("inference", "server")] == 1
     for replica in ("grammar replica 1", "grammar replica 2"):
         assert roles[(replica, "server")] == 1 and roles[(replica, "worker")] >= 2, roles
+        assert m["by_service"][replica]["peak_worker_mib"] > 0
     assert result["first_chunk_seconds"]["count"] > 0
     out = capsys.readouterr().out
     assert "| hostile requests sent / refused INVALID_ARGUMENT / anything else |" in out

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from shared.gen.inference.v1 import inference_service_pb2 as pb
+from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from shared.grpc_options import CHANNEL_OPTIONS
 
 EXPECTED = grpc.StatusCode.INVALID_ARGUMENT
 BIG_BODY_BYTES = 4 << 20
@@ -129,13 +131,9 @@ async def send_one(stub, name: str, timeout: float, tally: HostileTally) -> None
 async def send_hostile(target: str, rate: float, deadline: float, timeout: float, tally: HostileTally) -> None:
     """`rate` requests/s until `deadline` (monotonic), the cases in turn; each one's answer is awaited apart,
     so a slow refusal does not slow the rate."""
-    from shared.grpc_options import CHANNEL_OPTIONS
-
     sent: list[asyncio.Task] = []
     names = list(CASES)
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-        from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-
         stub = pb_grpc.InferenceServiceStub(channel)
         k = 0
         start = time.monotonic()

@@ -73,13 +73,17 @@ class MemoryWatch:
         self.samples.append({"t": round(t, 3), "rss_bytes": totals})
 
     def figures(self) -> dict:
-        """Per service: the largest peak of one process, its role, the processes seen, and the largest sum of
-        the service's processes' RSS at one sample; every process's peak."""
+        """Per service: the largest peak of one process and its role, the largest of a worker, the processes
+        seen, and the largest sum of the service's processes' RSS at one sample (forked workers' shared pages
+        counted in each); every process's peak."""
         services: dict[str, dict] = {}
         for p in self.processes.values():
             s = services.setdefault(p["service"], {"processes_seen": 0, "peak_process_mib": 0.0,
-                                                   "peak_process_role": None, "peak_total_mib": 0.0})
+                                                   "peak_process_role": None, "peak_worker_mib": None,
+                                                   "peak_total_mib": 0.0})
             s["processes_seen"] += 1
+            if p["role"] == "worker":
+                s["peak_worker_mib"] = max(s["peak_worker_mib"] or 0.0, round(p["peak_bytes"] / MIB, 1))
             if p["peak_bytes"] / MIB > s["peak_process_mib"]:
                 s["peak_process_mib"], s["peak_process_role"] = round(p["peak_bytes"] / MIB, 1), p["role"]
         for sample in self.samples:

@@ -142,9 +142,9 @@ def markdown(result: dict) -> str:
                          f"{c['unexpected']} else{': ' + '; '.join(c['unexpected_examples']) if c['unexpected'] else ''}"
                          f" (slowest refusal {_fmt(c['refusal_seconds_max'], '.2f')} s) |")
     for service, m in (result.get("memory") or {}).get("by_service", {}).items():
-        lines.append(f"| peak RSS, {service}: largest process ({m['peak_process_role']}) / all its "
-                     f"{m['processes_seen']} processes at once (MiB) | {m['peak_process_mib']:.0f} / "
-                     f"{m['peak_total_mib']:.0f} |")
+        lines.append(f"| peak RSS, {service}: largest process ({m['peak_process_role']}) / largest worker / "
+                     f"all its {m['processes_seen']} processes at once (MiB) | {m['peak_process_mib']:.0f} / "
+                     f"{_fmt(m['peak_worker_mib'], '.0f')} / {m['peak_total_mib']:.0f} |")
     return "\n".join(lines)
 
 
