@@ -37,9 +37,9 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from grammar_svc.schema.json_nesting import MAX_NESTING, nesting_depth
 from shared.errors import (CheckTimeoutError, InvalidGrammarError, InvalidRequestError, RequestTooLargeError,
                            UnavailableError)
+from shared.json_nesting import MAX_NESTING, nesting_depth
 
 if TYPE_CHECKING:  # the worker processes import this module: they need neither
     from grammar_svc.compile.backend import GrammarBackend

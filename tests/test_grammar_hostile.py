@@ -36,7 +36,7 @@ import pytest
 import xgrammar as xgr
 
 from grammar_svc import output_check
-from grammar_svc.schema.json_nesting import MAX_NESTING
+from shared.json_nesting import MAX_NESTING
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
 from shared.tokenizer import fingerprint as fingerprint_of

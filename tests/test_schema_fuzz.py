@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from grammar_svc.compile.spec import GrammarSpec
 from grammar_svc.schema import schema_warnings
 from grammar_svc.schema.json_grammar import normalised_schema_text
-from grammar_svc.schema.json_nesting import MAX_NESTING
+from shared.json_nesting import MAX_NESTING
 from grammar_svc.schema.schema_normalise import MAX_DEPTH, _count_nodes, node_budget
 from grammar_svc.types import Kind
 from shared.errors import InvalidGrammarError, InvalidRequestError, RequestTooLargeError

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 from grammar_svc.schema.json_grammar import GRAMMAR_REVISION
-from grammar_svc.schema.json_nesting import check_nesting
 from grammar_svc.types import JsonOptions, Kind
 from shared.errors import InvalidGrammarError, RequestTooLargeError
+from shared.json_nesting import check_nesting
 
 
 @dataclass(frozen=True)

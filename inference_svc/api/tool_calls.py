@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from inference_svc.api.model_family import ModelFamily, ToolCallFormat
 from inference_svc.types import Constraint, JsonOptions, ParsedToolCall
 from shared.errors import InvalidGrammarError, InvalidRequestError, RequestTooLargeError
+from shared.json_nesting import check_nesting
 from shared.xgrammar_messages import clean_message
 
 MODES = ("auto", "required", "none", "named")
@@ -65,6 +66,7 @@ class ToolSpec:
         """A tool whose parameters schema is JSON text (empty: any object)."""
         if not parameters_json.strip():
             return ToolSpec(name, description)
+        check_nesting(parameters_json, f"tool {name!r}: parameters")  # before json.loads recurses into it
         try:
             parameters = json.loads(parameters_json)
         except json.JSONDecodeError as e:  # the client's schema text
@@ -279,6 +281,8 @@ def _convert(schema_text: str, what: str, lenient: bool, any_order: bool) -> str
 
 def _answer_format(answer: Constraint) -> dict:
     """The request's own constraint as a structural-tag format, for `or` with the tool calls."""
+    if answer.kind in ("json_schema", "structural_tag"):
+        check_nesting(answer.text, answer.kind)  # before json.loads recurses into it
     if answer.kind == "json_schema":
         try:
             schema = json.loads(answer.text)
@@ -448,7 +452,7 @@ def _json_object(text: str) -> str | None:
     """`text` as compact JSON when it is one JSON object, else None."""
     try:
         value = json.loads(text, parse_constant=_reject_constant)
-    except ValueError:  # the model's text: not a JSON object (JSONDecodeError is a ValueError)
+    except (ValueError, RecursionError):  # the model's text: not a JSON object, or nested past what json reads
         return None
     if not isinstance(value, dict):
         return None

@@ -3,8 +3,10 @@
 Python's json module, the schema normaliser, xgrammar's schema reader and
 jsonschema all recurse once (or more) per level: a short text nested a
 thousand deep (`[[[[...`) would end in RecursionError, a bug's INTERNAL,
-instead of a client error. The grammar service measures first and refuses
-past MAX_NESTING levels with a message naming the limit.
+instead of a client error. Both services measure client JSON first (the
+grammar service its specs and checked outputs, the inference service tool
+schemas and the constraints it folds into tool grammars) and refuse past
+MAX_NESTING levels with a message naming the limit.
 """
 
 from __future__ import annotations
