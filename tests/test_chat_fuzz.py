@@ -64,10 +64,11 @@ MARKUP = sorted({m for f in FAMILIES.values() for m in (
 texts = st.text(st.characters(codec=None, exclude_categories=()), max_size=12) | st.sampled_from(
     MARKUP + ["\ud800", "\x00", "\u2028", "\U0001F600", "{{ 7*7 }}", "{% raw %}", "{#", "<｜User｜>",
               "<｜end▁of▁sentence｜>", "get_weather", "{}", '{"a": 1}'])
-# Around --max-prompt-bytes and --max-tool-bytes as often as far inside them.
-huge_texts = st.builds(lambda unit, n: unit * n, st.sampled_from(["x", "é", "\U0001F600", "<｜User｜>"]),
-                       st.sampled_from([LIMITS.max_prompt_bytes // 4 + 1, LIMITS.max_prompt_bytes + 1,
-                                        LIMITS.max_tool_bytes // 2]))
+# Past --max-prompt-bytes and near --max-tool-bytes: in one message and the tools' schemas only (drawn for
+# every text field, a random run's examples held 16 GiB in the test process).
+huge_texts = st.builds(lambda unit, size: unit * (size // len(unit.encode())),
+                       st.sampled_from(["x", "é", "<｜User｜>"]),
+                       st.sampled_from([LIMITS.max_prompt_bytes + 64, LIMITS.max_tool_bytes // 2]))
 names = st.sampled_from(["get_weather", "get_time", "a", "-", "x" * 64, "x" * 65, "", "bad name", "é"]) | texts
 
 
@@ -94,21 +95,25 @@ schema_texts = st.one_of(
     depths.map(lambda d: '{"type": "object", "properties": {"p": ' + nested_text(d) + "}}"),
     depths.map(nested_text), depths.map(lambda d: "[" * d),
     st.sampled_from(["", " ", "{", "NaN", '{"type": "object", "maximum": NaN}', "1e400", "null", '"\\ud800"']),
-    texts, huge_texts.map(lambda t: json.dumps({"type": "object", "description": t})),
+    texts,
 )
-tools = st.tuples(names, texts, schema_texts)  # (name, description, parameters JSON text), as a pb.Tool has them
+tool_schema_texts = schema_texts | huge_texts.map(lambda t: json.dumps({"type": "object", "description": t}))
+tools = st.tuples(names, texts, tool_schema_texts)  # (name, description, parameters JSON text), as a pb.Tool has them
 tool_calls = st.builds(ParsedToolCall, texts, names, texts | schema_texts)
 messages = st.builds(
     ChatMessage, role=st.sampled_from(ROLES) | st.sampled_from(["developer", "function", ""]) | texts,
-    content=texts | huge_texts, name=texts, tool_call_id=texts,
+    content=texts, name=texts, tool_call_id=texts,
     tool_calls=st.lists(tool_calls, max_size=3).map(tuple), reasoning_content=texts)
 answers = st.none() | st.builds(
     Constraint, kind=st.sampled_from(sorted(KINDS)), text=schema_texts | texts,
     choices=st.lists(texts, max_size=3).map(tuple),
     json_options=st.builds(JsonOptions, whitespace=st.sampled_from(["compact", "flexible", "indented"]),
                            lenient=st.booleans(), any_key_order=st.booleans()))
+huge_message = st.builds(ChatMessage, role=st.sampled_from(ROLES), content=huge_texts)
 chats = st.fixed_dictionaries({
-    "messages": st.lists(messages, max_size=5), "tools": st.lists(tools, max_size=4),
+    "messages": st.builds(lambda ms, huge: ms + huge, st.lists(messages, max_size=5),
+                          st.lists(huge_message, max_size=1)),
+    "tools": st.lists(tools, max_size=4),
     "choice": st.builds(ToolChoice, st.sampled_from(MODES + ("bogus",)), names | st.just("")),
     "reasoning": st.sampled_from([None, True, False]), "answer": answers,
     "family": st.sampled_from(sorted(FAMILIES)),
