@@ -98,7 +98,9 @@ def test_grammar_replica_sweep_runs_each_count_and_spreads_the_steps(tmp_path, c
     assert sum(two["grammar_steps_per_replica"]) == two["grammar_server"]["steps"]
     sweep = result["grammar_replica_sweep"]
     assert [(w["runner"], w["concurrency"], w["grammar_replicas"]) for w in sweep] == [("sim2", 4, 1), ("sim2", 4, 2)]
-    assert all(w["tpot_ratio_mean"] > 0 and 0 <= w["mask_wait_share"] < 1 for w in sweep)
+    # The mask wait is a share of the forward time, not of the step: a grammar round trip that outlasts the
+    # simulated 2 ms forward on a busy machine puts it past 1.
+    assert all(w["tpot_ratio_mean"] > 0 and w["mask_wait_share"] >= 0 for w in sweep), sweep
     png = tmp_path / "e2e-grammar-replicas.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = capsys.readouterr().out

@@ -23,6 +23,7 @@ from inference_svc.api import tool_calls
 from inference_svc.api.tool_calls import _EbnfCache
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from shared.json_nesting import MAX_NESTING
 from tests.conftest import InferenceServerThread, wait_until
 
 LIMIT_BYTES = 64 * 1024
@@ -82,6 +83,15 @@ def test_tools_past_the_byte_limit_are_refused_naming_it_and_the_tool(stub, host
     assert "--max-tool-bytes" in refused.details() and "'huge_tool'" in refused.details()
     assert str(LIMIT_BYTES) in refused.details()
     assert _generate(stub, messages=CHAT, tools=[_tool("small", 100)])[-1].finish_reason  # the same, small enough
+
+
+def test_tool_parameters_nested_past_the_limit_are_refused_naming_it(stub):
+    """Found by tests/test_chat_fuzz.py: a tool schema nested 1,000 deep was a RecursionError in the API
+    process (INTERNAL); it is refused before json.loads reads it, naming the tool and the limit."""
+    deep = pb.Tool(name="deep_tool", parameters_json_schema="[" * 1000 + "]" * 1000)
+    refused = _refusal(stub, messages=CHAT, tools=[deep])
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+    assert "'deep_tool'" in refused.details() and str(MAX_NESTING) in refused.details()
 
 
 def test_refused_requests_leave_nothing_behind(hostile_server):
