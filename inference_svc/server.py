@@ -163,7 +163,7 @@ async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_po
 async def serve(config: InferenceServiceConfig, argv: Sequence[str] = ()) -> None:
     """Runs one replica until SIGTERM/SIGINT. argv: the flags it was started with; with --tp N and no
     rank layout in the environment, ranks 1..N-1 are started locally with the same flags."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see engine_stack.py
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see core/assembly.py
     rank, children = None, []
     if config.tp > 1:
         rank = rank_from_env(dict(os.environ), config.tp)

@@ -174,7 +174,7 @@ async def serve(sock: socket.socket) -> int:
         raise p.ProtocolError("the API server did not start the core")
     _, config, rank, source, grammar_connect_timeout_seconds = start
     setup_logging(config.log_level)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see engine_stack.py
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)  # see core/assembly.py
     metrics = InferenceMetrics()
     core = EngineCore(writer, EngineAssembly(config, metrics, rank=rank, source=source))
     core.stack.on_fatal = core.engine_died
