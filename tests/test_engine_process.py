@@ -19,6 +19,7 @@ import re
 import signal
 import socket
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -171,10 +172,17 @@ def _simulated(grammar):
 def test_stop_cancels_what_is_in_flight_and_ends_the_core(grammar_server):
     srv = _simulated(grammar_server)
     pid = _core_pid(srv)
-    t, box = background_complete(srv.target, prompt="in flight", max_tokens=5000, ignore_eos=True)
+    # The client's own deadline bounds the wait, so a stream that never ends fails as DEADLINE_EXCEEDED here
+    # rather than as an empty box (a CI run once found neither an answer nor an error 30 s after the stop).
+    t, box = background_complete(srv.target, prompt="in flight", max_tokens=5000, ignore_eos=True, timeout=90)
     wait_until(lambda: srv.run_sync(lambda: srv.server.engine.num_active) == 1, "request running")
+    stopping = time.monotonic()
     srv.stop()
-    t.join(30)
+    stopped = time.monotonic()
+    t.join(100)
+    assert not t.is_alive(), "the client's stream outlived its own deadline"
+    assert "out" in box, (f"stop took {stopped - stopping:.1f} s; the client heard {box['err']!r} "
+                          f"{time.monotonic() - stopped:.1f} s after it")
     assert box["out"].finish_reason == "cancelled"
     assert srv.server.engine._process.returncode == 0
     with pytest.raises(ProcessLookupError):

@@ -499,7 +499,9 @@ class CompilePool:
         for w in workers:
             w.signal_kill()
             self._reap_later(w)
-        if self._background:
+        # Until none is left: a spawn that finishes now kills its new worker and adds that worker's reap
+        # to _background, and no worker may outlive the service.
+        while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._factory is not None:
             await asyncio.get_running_loop().run_in_executor(self._executor, self._factory.close)
