@@ -51,6 +51,10 @@ class EngineConfig:
     # Greedy rows without logprobs computed at the ids a bfloat16 screen of the head keeps (greedy_head.py:
     # the float32 argmax exactly, on CPUs with bfloat16 oneDNN; needs the sparse head's split).
     greedy_head: bool = True
+    # Completions one request may ask for (sampling n): its prompt is prefilled once and shared.
+    max_n: int = 16
+    # Full KV blocks keep their computed prefix for later requests with the same tokens (paged_kv.py).
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,8 @@ class InferenceServiceConfig:
             problems.append("--max-concurrent-rpcs must be at least 1")
         if e.max_waiting < 0 or e.default_max_tokens < 1 or e.max_model_len < 0:
             problems.append("--max-waiting, --default-max-tokens and --max-model-len must be positive")
+        if e.max_n < 1:
+            problems.append("--max-n must be at least 1")
         for tls in (self.tls, self.grammar_tls):
             if tls is not None:
                 problems.extend(tls.problems())
@@ -251,6 +257,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--greedy-head", "on" if e.greedy_head else "off",
           "on: greedy rows without logprobs get the LM head only at the ids a bfloat16 screen of it keeps (the "
           "same argmax; CPUs with bfloat16 oneDNN, with --sparse-head on); off: the float32 head for them")
+    f.add("--prefix-caching", "on" if e.prefix_caching else "off",
+          "on: full KV blocks keep their computed tokens, so a later request whose prompt starts with the same "
+          "tokens (a shared instruction, a resent conversation, the n completions of one prompt) computes only "
+          "the rest; cached blocks are reclaimed least recently used when an allocation needs them; off: every "
+          "prompt is computed from its first token")
+    f.add("--max-n", e.max_n, "most completions one request may ask for (sampling n; OpenAI's n)")
     f.add("--max-prompt-bytes", e.max_prompt_bytes, "longest prompt accepted, in UTF-8 bytes (checked before tokenizing; "
                                                     "a chat's messages are checked before the template renders them)")
     f.add("--max-tool-bytes", e.max_tool_bytes, "most bytes of tool parameters schemas one request may carry, all "
@@ -331,6 +343,8 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
             max_tool_bytes=args.max_tool_bytes,
             sparse_head=parse_on_off("--sparse-head", args.sparse_head),
             greedy_head=parse_on_off("--greedy-head", args.greedy_head),
+            max_n=args.max_n,
+            prefix_caching=parse_on_off("--prefix-caching", args.prefix_caching),
         ),
         chat_template=Path(args.chat_template) if args.chat_template else None,
         model_family=args.model_family,

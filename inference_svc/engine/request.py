@@ -51,6 +51,8 @@ class Usage:
     completion_tokens: int = 0
     forced_tokens: int = 0
     reasoning_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache when the request was first admitted.
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -67,6 +69,8 @@ class Output:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for logprobs
     # The last output of a json_schema request whose document finished: whether it validates.
     schema_check: SchemaCheck | None = None
+    # Which of the request's n completions this output belongs to (0 .. n-1).
+    index: int = 0
 
 
 @dataclass

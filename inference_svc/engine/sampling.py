@@ -58,6 +58,7 @@ class SamplingOptions:
     top_logprobs: int = 0
     min_tokens: int = 0
     repetition_penalty: float = 1.0  # 1.0 = disabled
+    n: int = 1  # completions of the prompt, each its own sequence (seed + index where a seed is given)
 
     @classmethod
     def validated(
@@ -76,6 +77,8 @@ class SamplingOptions:
         top_logprobs: int = 0,
         min_tokens: int = 0,
         repetition_penalty: float = 0.0,
+        n: int = 0,
+        max_n: int = 1,
     ) -> SamplingOptions:
         """Applies the proto's defaults (0 = server default / disabled) and rejects out-of-range values."""
         if not 0 <= max_tokens <= max_max_tokens:
@@ -108,6 +111,8 @@ class SamplingOptions:
         if not (math.isfinite(repetition_penalty) and repetition_penalty >= 0):
             raise InvalidRequestError(
                 f"repetition_penalty must be a finite number > 0 (0 or 1 = disabled), got {repetition_penalty}")
+        if not 0 <= n <= max_n:
+            raise InvalidRequestError(f"n must be in [0, {max_n}] (0 = 1; the server's --max-n is {max_n}), got {n}")
         return cls(
             max_tokens=max_tokens,
             temperature=float(temperature),
@@ -120,6 +125,7 @@ class SamplingOptions:
             top_logprobs=top_logprobs,
             min_tokens=min_tokens,
             repetition_penalty=1.0 if repetition_penalty == 0.0 else float(repetition_penalty),
+            n=n or 1,
         )
 
     @property
