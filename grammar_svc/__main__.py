@@ -15,9 +15,11 @@ add_arguments = config.add_arguments
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """argv: the flags it was started with (unused: the configuration is in args)."""
+    # The configuration first: a bad flag is refused before the server's imports (xgrammar, torch) are paid.
+    service_config = config.from_args(args)
     from grammar_svc.server import serve
 
-    return run_service(serve, config.from_args(args))
+    return run_service(serve, service_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,9 +20,11 @@ add_arguments = config.add_arguments
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """argv: the flags it was started with (ranks it starts itself get the same)."""
+    # The configuration first: a bad flag is refused before the server's imports (torch, xgrammar) are paid.
+    service_config = config.from_args(args)
     from inference_svc.server import serve
 
-    return run_service(serve, config.from_args(args), argv)
+    return run_service(serve, service_config, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
