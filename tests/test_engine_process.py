@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -227,14 +228,28 @@ def test_a_core_that_cannot_start_says_why(grammar_server):
 def test_a_core_stopped_while_starting_writes_where_it_was_first(grammar_server, capfd):
     from inference_svc.server import InferenceServer
 
-    # No grammar replica: the core waits for one until the starter gives up, 30 s in (its imports, a few
-    # seconds, are behind it by then; a SIGUSR1 before its faulthandler is set would end it without a word).
+    # No grammar replica: the core waits for one until the starter gives up, once the API server waits for
+    # the core's READY and the core has its SIGUSR1 handler set (a SIGUSR1 before its faulthandler is set would
+    # end it without a word); start_timeout only bounds a start that never gets there.
     nobody = f"127.0.0.1:{free_port()}"
     cfg = _config(grammar_server, grammar_targets=(nobody,), simulate_step_ms=5.0, metrics_port=0)
+    server = InferenceServer(cfg)
+
+    def core_stuck(waits: list[str]) -> bool:
+        return (len(waits) > 2 and waits[1].endswith(" in ready")
+                and _handles_sigusr1(server.engine._process.pid))
+
     with pytest.raises(TimeoutError, match=r"engine_client\.py:\d+ in ready"):
-        ServiceThread(InferenceServer(cfg), "stuck-core", start_timeout=30.0, grammar_connect_timeout=600.0)
+        ServiceThread(server, "stuck-core", start_timeout=START_TIMEOUT_SECONDS, give_up=core_stuck,
+                      grammar_connect_timeout=600.0)
     # faulthandler's dump, from the core (its main() is at the bottom of its main thread's stack).
     assert re.search(r'File ".*engine_core\.py", line \d+ in main', capfd.readouterr().err)
+
+
+def _handles_sigusr1(pid: int) -> bool:
+    """The process has a handler for SIGUSR1 (the core's faulthandler, set once its imports are done)."""
+    caught = re.search(r"^SigCgt:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return bool(int(caught.group(1), 16) & (1 << (signal.SIGUSR1 - 1)))
 
 
 def _parsed(argv, env=None):
