@@ -63,7 +63,22 @@ class InferenceMetrics:
             "inference_svc_num_requests_waiting",
             "Requests not running: compiling their grammar, queued or preempted.", registry=r)
         self.kv_usage = Gauge(
-            "inference_svc_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", registry=r)
+            "inference_svc_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks mapped by requests (free blocks that still hold a cached prefix are "
+            "not in use: inference_svc_kv_cache_cached_free_blocks).", registry=r)
+        self.kv_cached_free_blocks = Gauge(
+            "inference_svc_kv_cache_cached_free_blocks",
+            "KV cache blocks no request maps that still hold a cached prefix (reclaimed when needed).", registry=r)
+        self.prefix_cached_blocks = Gauge(
+            "inference_svc_prefix_cache_blocks",
+            "KV cache blocks registered in the prefix cache, mapped by a request or free.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "inference_svc_prefix_cache_queries_total",
+            "Tokens of admitted requests looked up in the prefix cache (readmissions after preemption included).",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "inference_svc_prefix_cache_hits_total",
+            "Tokens of admitted requests whose KV the prefix cache held (not computed again).", registry=r)
         self.batch_size = Histogram(
             "inference_svc_batch_size", "Sequences in one forward pass.", buckets=BATCH_BUCKETS, registry=r)
         self.prompt_tokens = Counter("inference_svc_prompt_tokens_total", "Prompt tokens of admitted requests.",

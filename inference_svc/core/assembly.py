@@ -88,12 +88,13 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
         # The embedded model's tokenizer is the packaged one: the same cached instance the handshake uses.
         tok = load_hf_tokenizer(str(source.path) if config.model is not None else None)
         runner = SimulatedRunner(config.simulate_step_ms / 1000.0, vocab_size=len(tok),
-                                 block_size=config.block_size)
+                                 block_size=config.block_size, prefix_caching=config.engine.prefix_caching)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
     runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                                      tp_size=config.tp, packed_head=config.lm_head_kernel == "auto",
-                                     greedy_screen=config.engine.greedy_head and config.engine.sparse_head)
+                                     greedy_screen=config.engine.greedy_head and config.engine.sparse_head,
+                                     prefix_caching=config.engine.prefix_caching)
     if (mode := config.compile_mode(device)) != "off":
         from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
 

@@ -217,7 +217,7 @@ class EngineClient:
                 continue
             if warnings is not None:
                 req.warnings = warnings
-            if output.finish_reason is not None or output.error is not None:
+            if output.ends_stream:
                 req.finished = True
                 del self._requests[key]
             req.outputs.put_nowait(output)
@@ -235,7 +235,7 @@ class EngineClient:
         requests, self._requests = self._requests, {}
         for req in requests.values():
             req.finished = True
-            req.outputs.put_nowait(Output([], "", None, None, error))
+            req.outputs.put_nowait(Output([], "", None, None, error, ends_stream=True))
         self._drained.set()
         if self.on_fatal is not None:
             self.on_fatal(cause)

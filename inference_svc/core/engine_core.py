@@ -92,7 +92,7 @@ class EngineCore:
 
     def queue_output(self, key: int, output: Output, warnings) -> None:
         self._batch.append((key, output, warnings))
-        if output.finish_reason is not None or output.error is not None:
+        if output.ends_stream:
             self._requests.pop(key, None)
         if not self._flush_pending:
             # Everything queued until the loop next turns goes in one frame: a step's outputs are made

@@ -51,6 +51,8 @@ server, which turns NOT_SERVING and exits non-zero so it is replaced.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -233,7 +235,7 @@ class Engine:
             raise errors.UnavailableError("constrained generation needs a grammar tier (--grammar-target)")
         if max_thinking_tokens < 0:
             raise errors.InvalidRequestError(f"max_thinking_tokens must be >= 0 (0 = no budget), got {max_thinking_tokens}")
-        if self.num_active + self._tokenizing - len(self.scheduler.running) >= self.config.max_waiting:
+        if self.num_active + self._tokenizing - len(self.scheduler.running) + options.n > self.config.max_waiting:
             raise errors.LimitExceededError(
                 f"{self.config.max_waiting} requests are already waiting; retry later or on another replica")
         prompt_ids = await self._prompt_ids(prompt)
@@ -248,23 +250,40 @@ class Engine:
                 f"prompt + sampling.max_tokens ({len(prompt_ids) + options.max_tokens} tokens) does not fit the KV "
                 f"cache ({blocks.num_blocks * blocks.block_size} tokens)")
         thinking = self._thinking_for(prompt_ids, reasoning, max_thinking_tokens)
-        req = GenerationRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_ids=prompt_ids,
+        request_id = request_id or uuid.uuid4().hex
+        group = [self._request(i, prompt_ids, options, request_id, thinking, tool_parser,
+                               GrammarLink(constraint, jump_forward, end_client=end_client) if constraint else None)
+                 for i in range(options.n)]
+        req = group[0]
+        req.siblings, req.open_completions = group[1:], len(group)
+        for i, sibling in enumerate(req.siblings, 1):
+            sibling.index, sibling.leader = i, req
+        if constraint is None:
+            for completion in group:
+                self.scheduler.add(completion)
+            self._wake.set()
+        else:
+            # The others compile once the first has: the grammar tier's cache answers them, one compile in all.
+            self._start_compile(req)
+        return req
+
+    def _request(self, index: int, prompt_ids: list[int], options: SamplingOptions, request_id: str,
+                 thinking: Thinking | None, tool_parser: ToolCallReader | None,
+                 grammar: GrammarLink | None) -> GenerationRequest:
+        """Completion `index` of a request; each has its own sampler (its own seed), text, thinking state,
+        tool-call parser and grammar session."""
+        options = options.for_completion(index)
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
             options=options,
             sampler=RowSampler(options, self.runner.device),
             text=ResponseText(self.tok.token_bytes, self.tok.special_ids, options.stop,
                               think_end_id=thinking.end_id if thinking is not None else None,
-                              tool_parser=tool_parser),
-            grammar=GrammarLink(constraint, jump_forward, end_client=end_client) if constraint is not None else None,
-            thinking=thinking,
+                              tool_parser=copy.deepcopy(tool_parser) if index else tool_parser),
+            grammar=grammar,
+            thinking=dataclasses.replace(thinking) if thinking is not None else None,
         )
-        if constraint is None:
-            self.scheduler.add(req)
-            self._wake.set()
-        else:
-            self._start_compile(req)
-        return req
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids:
@@ -310,11 +329,13 @@ class Engine:
             raise errors.UnavailableError("the inference service is draining; retry on another replica")
 
     def cancel(self, req: GenerationRequest) -> None:
-        """The client went away (or the server drains): free its KV and grammar session at the next step."""
-        if req.phase is Phase.FINISHED or req.cancelled:
-            return
-        req.cancelled = True
-        self._cancelled.append(req)
+        """The client went away (or the server drains): free its KV and grammar session at the next step,
+        every completion's when it asked for n."""
+        for completion in req.group:
+            if completion.phase is Phase.FINISHED or completion.cancelled:
+                continue
+            completion.cancelled = True
+            self._cancelled.append(completion)
         self._wake.set()
 
     def _start_compile(self, req: GenerationRequest) -> None:
@@ -323,25 +344,41 @@ class Engine:
         asyncio.create_task(self._compile(req), name=f"compile-{req.seq_id}")
 
     async def _compile(self, req: GenerationRequest) -> None:
+        first = req.grammar_ready_at is None
         try:
             await self.grammar.compile(req.grammar)
         except Exception as e:  # noqa: BLE001 - the request's: its constraint, or no replica left for it
             self._compiling.discard(req)
             self._finish(req, FinishReason.CANCELLED if req.cancelled else None, error=None if req.cancelled else e)
+            if first:
+                self._end_unstarted(req.siblings)
             return
         self._compiling.discard(req)
         if req.phase is Phase.FINISHED:
             # Failed (or the engine stopped) while it compiled: it must never run again.
             self.grammar.release(req.grammar)
+            if first:
+                self._end_unstarted(req.siblings)
             return
-        if req.grammar_ready_at is None:
+        if first:
             req.grammar_ready_at = time.monotonic()
             self.metrics.grammar_wait.observe(req.grammar_ready_at - req.arrival)
+            for sibling in req.siblings:  # n > 1: compiled now, so the grammar tier's cache answers them
+                if sibling.cancelled:
+                    self._finish(sibling, FinishReason.CANCELLED)
+                else:
+                    self._start_compile(sibling)
         if req.cancelled:
             self._finish(req, FinishReason.CANCELLED)
             return
         self.scheduler.add(req)
         self._wake.set()
+
+    def _end_unstarted(self, siblings: list[GenerationRequest]) -> None:
+        """The other completions of a request whose first could not compile: they never started, and the
+        stream has ended with the first's error (or its cancellation)."""
+        for sibling in siblings:
+            self._finish(sibling, FinishReason.CANCELLED)
 
     # --- the loop ------------------------------------------------------------
 
@@ -379,6 +416,9 @@ class Engine:
             self._fail(req, e)
         if step.preempted:
             self.metrics.preemptions.inc(len(step.preempted))
+        if step.prefix_queried_tokens:
+            self.metrics.prefix_cache_queries.inc(step.prefix_queried_tokens)
+            self.metrics.prefix_cache_hits.inc(step.prefix_hit_tokens)
         if not step.chunks:
             # Nothing fits right now (KV full): wait for a finish or cancel to free blocks.
             self._flush_outputs()
@@ -487,7 +527,8 @@ class Engine:
             if req.admitted_at is None:
                 req.admitted_at = now
                 self.metrics.queue_time.observe(now - (req.grammar_ready_at or req.arrival))
-                self.metrics.prompt_tokens.inc(req.num_prompt)
+                if req.leader is None:  # n completions share one prompt
+                    self.metrics.prompt_tokens.inc(req.num_prompt)
 
     async def _forward(self, step: ScheduledStep, pending: PendingStep | None,
                        body_only: bool = False) -> tuple[torch.Tensor, float]:
@@ -706,6 +747,8 @@ class Engine:
             kind.tpot.observe((now - req.first_token_at) / (req.num_output - 1))
         output = Output(token_ids or [], piece.text, reason, req.usage(), error,
                         reasoning_text=piece.reasoning_text, tool_calls=piece.tool_calls, logprobs=logprobs)
+        if error is not None and len(req.group) > 1:
+            self.cancel(req)  # the call ends with this completion's error: the others' work is for nobody
         if reason is FinishReason.STOP and error is None and wants_check(req):
             # The document is complete: its last response waits for the schema check, off the step loop.
             self._checks.deliver(req, output, checked_on)
@@ -718,13 +761,13 @@ class Engine:
         if self._task is not None and asyncio.current_task() is self._task:
             self._outbox.append((req, output))
         else:
-            req.outputs.put_nowait(output)
+            req.put_output(output)
 
     def _flush_outputs(self) -> None:
         """Every output the step loop held goes to its stream, in the order it was made."""
         outbox, self._outbox = self._outbox, []
         for req, output in outbox:
-            req.outputs.put_nowait(output)
+            req.put_output(output)
 
     def _replica_lost(self, replica: int) -> None:
         """Every request pinned to a replica whose stream broke moves to another one (replay)."""
@@ -766,7 +809,10 @@ class Engine:
         try:
             self.metrics.running.set(len(self.scheduler.running))
             self.metrics.waiting.set(len(self.scheduler.waiting) + len(self._compiling))
-            self.metrics.kv_usage.set(self.runner.block_manager.usage_ratio)
+            blocks = self.runner.block_manager
+            self.metrics.kv_usage.set(blocks.usage_ratio)
+            self.metrics.kv_cached_free_blocks.set(blocks.num_cached_free_blocks)
+            self.metrics.prefix_cached_blocks.set(blocks.num_cached_blocks)
         except Exception:  # noqa: BLE001 - the metrics library's: gauges are best effort, steps are not
             log.exception("updating gauges failed")
 

@@ -71,6 +71,8 @@ class Output:
     schema_check: SchemaCheck | None = None
     # Which of the request's n completions this output belongs to (0 .. n-1).
     index: int = 0
+    # The last output of the client's stream: of its last completion to finish, or an error.
+    ends_stream: bool = False
 
 
 @dataclass
@@ -120,6 +122,18 @@ class GenerationRequest:
     grammar_ready_at: float | None = None
     first_token_at: float | None = None
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Hashes of all_ids' full KV blocks, extended as it grows (paged_kv.chain_block_hashes).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache at the first admission (None: not admitted yet).
+    cached_prompt_tokens: int | None = None
+    prefilled: bool = False  # its prompt has been computed (its full blocks are cached, with prefix caching)
+
+    # The completions of one request with n > 1: the first (index 0) leads; every completion's outputs go
+    # to the leader's stream, and the stream ends when all of them have finished (or one failed).
+    index: int = 0
+    leader: GenerationRequest | None = None
+    siblings: list[GenerationRequest] = field(default_factory=list)  # the leader's: the other completions
+    open_completions: int = 1  # the leader's: completions not finished yet
 
     def __post_init__(self) -> None:
         if not self.all_ids:
@@ -161,6 +175,22 @@ class GenerationRequest:
     def output_ids(self) -> list[int]:
         return self.all_ids[len(self.prompt_ids):]
 
+    @property
+    def group(self) -> list[GenerationRequest]:
+        """The completions of the request this one belongs to (itself alone when n is 1)."""
+        leader = self.leader or self
+        return [leader, *leader.siblings]
+
+    def put_output(self, output: Output) -> None:
+        """Sends an output to the client's stream, labelled with this completion's index; the output that
+        ends the stream (the last completion's last one, or any error) says so."""
+        head = self.leader or self
+        output.index = self.index
+        if output.finish_reason is not None or output.error is not None:
+            head.open_completions -= 1
+            output.ends_stream = output.error is not None or head.open_completions <= 0
+        head.outputs.put_nowait(output)
+
     def usage(self) -> Usage:
         reasoning = 0 if self.thinking is None else self.thinking.tokens + int(self.thinking.done)
-        return Usage(self.num_prompt, self.num_output, self.forced_tokens, reasoning)
+        return Usage(self.num_prompt, self.num_output, self.forced_tokens, reasoning, self.cached_prompt_tokens or 0)

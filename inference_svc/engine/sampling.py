@@ -26,6 +26,7 @@ moves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -127,6 +128,13 @@ class SamplingOptions:
             repetition_penalty=1.0 if repetition_penalty == 0.0 else float(repetition_penalty),
             n=n or 1,
         )
+
+    def for_completion(self, index: int) -> SamplingOptions:
+        """The options of completion `index` of n: its own seed (seed + index, wrapping at 2**64), so that
+        seeded completions differ from each other and each is reproducible."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + index) % (_UINT64_MAX + 1))
 
     @property
     def greedy(self) -> bool:

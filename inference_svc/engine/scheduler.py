@@ -11,6 +11,13 @@ since a matcher's state does not depend on the KV cache).
 Requests whose grammar is still compiling are never here: the engine adds
 them to `waiting` only once it is ready, so no step waits on a compile.
 
+With prefix caching (paged_kv.py) an admitted request maps the cached
+blocks of its longest cached prefix and starts computing after them
+(`num_computed`), and a step's full blocks are registered once its forward
+has written them (`commit`). The other completions of an `n` > 1 request wait
+until the first has computed its prompt, then map its blocks: the prompt is
+computed once.
+
 A request whose bookkeeping fails while it is scheduled leaves the scheduler
 (blocks freed) and is reported in `ScheduledStep.failed`: its failure is its
 own, the rest of the step goes on.
@@ -22,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from inference_svc.model.model_runner import SequenceChunk, StepBatch
-from inference_svc.model.paged_kv import BlockManager
+from inference_svc.model.paged_kv import BlockManager, chain_block_hashes
 from inference_svc.engine.request import GenerationRequest, Phase
 
 
@@ -38,6 +45,9 @@ class ScheduledStep:
     preempted: tuple[GenerationRequest, ...]
     # Requests that could not be scheduled, with why; they are no longer in the scheduler.
     failed: tuple[tuple[GenerationRequest, Exception], ...] = ()
+    # Tokens of the admitted requests looked up in the prefix cache, and how many of them were there.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def batch(self) -> StepBatch:
@@ -105,29 +115,64 @@ class Scheduler:
             i += 1
 
         # Then admissions, in arrival order (preempted requests went back to the front).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            n = min(req.num_uncomputed, budget)
-            if not self.blocks.can_allocate(None, n):
+        queried = hit = 0
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[i]
+            if self._held_back(req):
+                i += 1
+                continue
+            cached = self._cached_prefix(req)
+            num_cached = len(cached) * self.blocks.block_size
+            n = min(len(req.all_ids) - num_cached, budget)
+            if not self.blocks.can_allocate(None, num_cached + n, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             try:
-                self.blocks.allocate(req.seq_id, n)
+                self.blocks.allocate(req.seq_id, num_cached + n, cached)
+                req.num_computed = num_cached
                 chunk = self._chunk(req, n)
             except Exception as e:  # noqa: BLE001 - this request's bookkeeping is broken: it fails alone
                 failed.append((req, e))
                 self.blocks.free(req.seq_id)
+                req.num_computed = 0
                 continue
+            if self.blocks.prefix_caching:
+                queried += len(req.all_ids)
+                hit += num_cached
+            if req.cached_prompt_tokens is None:
+                req.cached_prompt_tokens = min(num_cached, req.num_prompt)
             req.phase = Phase.RUNNING
             self.running.append(req)
             chunks.append(chunk)
             budget -= n
-        return ScheduledStep(tuple(chunks), tuple(preempted), tuple(failed))
+        return ScheduledStep(tuple(chunks), tuple(preempted), tuple(failed), queried, hit)
+
+    def _held_back(self, req: GenerationRequest) -> bool:
+        """A later completion of an n > 1 request whose first has not computed the prompt yet (with prefix
+        caching: it will map those blocks rather than compute the prompt again)."""
+        leader = req.leader
+        return (self.blocks.prefix_caching and leader is not None and not leader.prefilled
+                and leader.phase in (Phase.WAITING, Phase.RUNNING))
+
+    def _cached_prefix(self, req: GenerationRequest) -> list[int]:
+        if not self.blocks.prefix_caching:
+            return []
+        chain_block_hashes(req.all_ids, req.block_hashes, self.blocks.block_size)
+        return self.blocks.cached_prefix(req.block_hashes, len(req.all_ids))
 
     def commit(self, step: ScheduledStep) -> None:
-        """Marks the step's tokens as being in the KV cache (after its forward ran)."""
+        """Marks the step's tokens as being in the KV cache (after its forward ran): the full blocks among
+        them join the prefix cache."""
+        caching = self.blocks.prefix_caching
         for s in step.chunks:
-            s.request.num_computed += len(s.chunk.token_ids)
+            req = s.request
+            req.num_computed += len(s.chunk.token_ids)
+            if req.num_computed >= req.num_prompt:
+                req.prefilled = True
+            if caching and req.seq_id in self.blocks:
+                chain_block_hashes(req.all_ids, req.block_hashes, self.blocks.block_size)
+                self.blocks.cache_computed(req.seq_id, req.block_hashes, req.num_computed)
 
     def _chunk(self, req: GenerationRequest, n: int) -> ScheduledChunk:
         start = req.num_computed

@@ -43,7 +43,7 @@ class FinalChecks:
         self._tasks: set[asyncio.Task] = set()
 
     def deliver(self, req: "GenerationRequest", output: "Output", replica: int) -> None:
-        """Puts `output` on the request's queue once its check is known; returns at once."""
+        """Puts `output` on the request's stream once its check is known; returns at once."""
         task = asyncio.ensure_future(self._run(req, output, replica, req.grammar.grammar_id, list(req.answer_ids)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -53,14 +53,14 @@ class FinalChecks:
         try:
             check = await self.tier.check_output(replica, req.grammar.constraint, grammar_id, ids, self.timeout_seconds)
         except asyncio.CancelledError:  # the engine is closing: the output still goes out, told it is unchecked
-            req.outputs.put_nowait(dataclasses.replace(output, schema_check=SchemaCheck(
+            req.put_output(dataclasses.replace(output, schema_check=SchemaCheck(
                 CheckResult.UNCHECKED, detail="the inference service stopped before the check finished")))
             raise
         except Exception as e:  # noqa: BLE001 - ours (a bug): the client still gets its output, told it is unchecked
             log.exception("request %s: schema check failed", req.request_id)
             check = SchemaCheck(CheckResult.UNCHECKED, detail=f"the schema check failed: {type(e).__name__}")
         self.metrics.schema_checks.labels(check.result.value).inc()
-        req.outputs.put_nowait(dataclasses.replace(output, schema_check=check))
+        req.put_output(dataclasses.replace(output, schema_check=check))
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -138,13 +138,15 @@ class PagedModelRunner:
         tp_size: int = 1,
         packed_head: bool = True,
         greedy_screen: bool = True,
+        prefix_caching: bool = False,
     ) -> "PagedModelRunner":
         """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes (per rank:
-        under tensor parallelism each rank caches its own share of the KV heads)."""
+        under tensor parallelism each rank caches its own share of the KV heads); prefix_caching: full
+        computed blocks are kept for later sequences with the same prefix (paged_kv.py)."""
         param = next(model.parameters())
         spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size, tp_size)
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
-        return cls(model, PagedKVCache(spec, blocks, param.device), own_head=tp_size == 1, packed_head=packed_head,
+        return cls(model, PagedKVCache(spec, blocks, param.device, prefix_caching=prefix_caching), own_head=tp_size == 1, packed_head=packed_head,
                    greedy_screen=greedy_screen)
 
     @property

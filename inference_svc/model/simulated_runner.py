@@ -39,13 +39,14 @@ class SimulatedRunner:
         block_size: int = DEFAULT_BLOCK_SIZE,
         seed: int = 0,
         pool_rows: int = 64,
+        prefix_caching: bool = False,
     ):
         if step_time_s < 0 or per_token_time_s < 0:
             raise ValueError("step times must be >= 0")
         self.step_time_s = step_time_s
         self.per_token_time_s = per_token_time_s
         self._vocab_size = vocab_size
-        self._blocks = BlockManager(num_blocks, block_size)
+        self._blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self._generator = torch.Generator().manual_seed(seed)
         self._pool = torch.randn(pool_rows, vocab_size, generator=self._generator)
         self._buffers = [torch.empty(0, vocab_size), torch.empty(0, vocab_size)]
