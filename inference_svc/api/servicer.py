@@ -135,12 +135,13 @@ def sampling_options(s: pb.SamplingParams, config: EngineConfig, max_model_len: 
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         default_max_tokens=config.default_max_tokens, max_max_tokens=max_model_len,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs, min_tokens=s.min_tokens,
-        repetition_penalty=s.repetition_penalty)
+        repetition_penalty=s.repetition_penalty, n=s.n, max_n=config.max_n)
 
 
 def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.GenerateResponse:
     """`warnings`: the compile warnings, for the request's first response."""
-    resp = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, reasoning_text=out.reasoning_text)
+    resp = pb.GenerateResponse(token_ids=out.token_ids, text=out.text, reasoning_text=out.reasoning_text,
+                               index=out.index)
     resp.warnings.extend(pb.SchemaWarning(keyword=w.keyword, json_pointer=w.json_pointer, message=w.message)
                          for w in warnings)
     for c in out.tool_calls:
@@ -158,6 +159,7 @@ def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.Genera
         resp.usage.completion_tokens = u.completion_tokens
         resp.usage.forced_tokens = u.forced_tokens
         resp.usage.reasoning_tokens = u.reasoning_tokens
+        resp.usage.cached_prompt_tokens = u.cached_prompt_tokens
     if out.schema_check is not None:
         check = out.schema_check
         resp.schema_check = _SCHEMA_CHECK[check.result]
@@ -195,7 +197,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 # The grammar has compiled before the first output, so its warnings are known by now.
                 yield response(out, req.warnings if first else ())
                 first = False
-                if out.finish_reason is not None:
+                # The last completion's finish (each of n completions sends its own finish reason).
+                if out.ends_stream:
                     return
         finally:
             # The client cancelled, its deadline passed, or the stream broke: free KV and grammar state.
