@@ -8,6 +8,11 @@ reasons as lower-case strings, gRPC failures as `InferenceError`.
         for chunk in client.generate("Name a colour:", choice=["red", "green"]):
             print(chunk.text, end="", flush=True)
 
+Several completions of one prompt (`n=`, OpenAI's n; the server computes
+the prompt once): `complete_all(prompt, n=4, temperature=1)` returns the
+four `Completion`s in index order; streamed, their chunks interleave, each
+naming its completion in `Chunk.index`. `complete()` is for one completion.
+
 Over TLS: `InferenceClient(target, tls_ca_file="ca.pem")`, plus
 `tls_cert_file=` / `tls_key_file=` where the server requires a client
 certificate (mutual TLS); or `credentials=` any grpc.ChannelCredentials.
@@ -61,6 +66,8 @@ class Usage:
     forced_tokens: int
     # Completion tokens spent thinking, the end-of-thinking token included.
     reasoning_tokens: int = 0
+    # Prompt tokens the server found in its prefix cache instead of computing them (part of prompt_tokens).
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,9 +124,11 @@ SCHEMA_CHECKS = {pb.SCHEMA_CHECK_UNSPECIFIED: None, pb.SCHEMA_CHECK_VALID: "vali
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed step: its tokens and their text delta. The last chunk
-    carries finish_reason and usage; on the others both are None. logprobs
-    has one entry per token id when the request asked for them, else none."""
+    """One streamed step of one completion: its tokens and their text delta.
+    A completion's last chunk carries finish_reason and usage; on the others
+    both are None. logprobs has one entry per token id when the request asked
+    for them, else none. index: which of the request's n completions the
+    chunk belongs to (0 when n is 1)."""
 
     token_ids: list[int]
     text: str
@@ -135,6 +144,7 @@ class Chunk:
     schema_check: str | None = None
     schema_violations: list[SchemaViolation] = field(default_factory=list)
     schema_check_detail: str = ""
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,7 @@ class Completion:
     schema_check: str | None = None  # as on Chunk
     schema_violations: list[SchemaViolation] = field(default_factory=list)
     schema_check_detail: str = ""
+    index: int = 0  # which of the request's n completions this is
 
 
 class InferenceError(Exception):
@@ -199,6 +210,7 @@ class RequestOptions(TypedDict, total=False):
     max_thinking_tokens: int
     request_id: str
     strict_schema: bool
+    n: int
 
 
 # A prompt: text, chat messages ({"role", "content", ...} dicts, as OpenAI's), or token ids.
@@ -234,7 +246,8 @@ def build_request(prompt: Prompt, *,
                   reasoning: bool | None = None,
                   max_thinking_tokens: int = 0,
                   request_id: str = "",
-                  strict_schema: bool = False) -> pb.GenerateRequest:
+                  strict_schema: bool = False,
+                  n: int = 1) -> pb.GenerateRequest:
     """The GenerateRequest for these arguments.
 
     At most one constraint kind (json_schema, regex, ebnf, choice, json_object,
@@ -253,6 +266,8 @@ def build_request(prompt: Prompt, *,
     or a tool's name. reasoning None leaves thinking to the chat template.
     strict_schema (json_schema only): refuse a schema with keywords the grammar
     does not enforce (INVALID_ARGUMENT naming each) instead of generating.
+    n: completions of the prompt (0 = 1; the server refuses more than its
+    --max-n), each with its own seed (seed + its index when seed is given).
     """
     if isinstance(choice, str):
         # A bare string would silently become one choice per character.
@@ -278,6 +293,8 @@ def build_request(prompt: Prompt, *,
                                    logprobs=logprobs, top_logprobs=top_logprobs, min_tokens=min_tokens,
                                    repetition_penalty=repetition_penalty),
     )
+    if n != 1:  # 1 is the proto's default (0): a request for one completion is what it was before n existed
+        request.sampling.n = n
     _set_prompt(request, prompt)
     if given:
         request.constraint.CopyFrom(
@@ -341,7 +358,8 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
     usage = None
     if response.HasField("usage"):
         u = response.usage
-        usage = Usage(u.prompt_tokens, u.completion_tokens, u.forced_tokens, u.reasoning_tokens)
+        usage = Usage(u.prompt_tokens, u.completion_tokens, u.forced_tokens, u.reasoning_tokens,
+                      u.cached_prompt_tokens)
     logprobs = [TokenLogprob(lp.token_id, lp.token_bytes, lp.logprob, lp.forced,
                              [TopLogprob(t.token_id, t.token_bytes, t.logprob) for t in lp.top_logprobs])
                 for lp in response.logprobs]
@@ -351,28 +369,58 @@ def _chunk(response: pb.GenerateResponse) -> Chunk:
                  [SchemaWarning(w.keyword, w.json_pointer, w.message) for w in response.warnings],
                  SCHEMA_CHECKS.get(response.schema_check, f"unknown_{response.schema_check}"),
                  [SchemaViolation(v.keyword, v.instance_pointer, v.message) for v in response.schema_violations],
-                 response.schema_check_detail)
+                 response.schema_check_detail, response.index)
 
 
-def _completion(chunks: Iterable[Chunk]) -> Completion:
-    texts: list[str] = []
-    thoughts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    calls: list[ToolCall] = []
+class _Collected:
+    """One completion's chunks, gathered into its Completion."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.thoughts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.calls: list[ToolCall] = []
+        self.last: Chunk | None = None  # the chunk with the finish reason
+
+    def add(self, chunk: Chunk) -> None:
+        self.texts.append(chunk.text)
+        self.thoughts.append(chunk.reasoning_text)
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.calls.extend(chunk.tool_calls)
+        if chunk.finish_reason is not None:
+            self.last = chunk
+
+    def completion(self, index: int, warnings: list[SchemaWarning]) -> Completion:
+        last = self.last
+        assert last is not None and last.finish_reason is not None
+        return Completion("".join(self.texts), self.token_ids, last.finish_reason, last.usage or Usage(0, 0, 0),
+                          self.logprobs, "".join(self.thoughts), self.calls, list(warnings), last.schema_check,
+                          last.schema_violations, last.schema_check_detail, index)
+
+
+def _completions(chunks: Iterable[Chunk], n: int) -> list[Completion]:
+    """The n completions of a whole stream, in index order; each has the call's warnings (one constraint)."""
+    count = max(n, 1)
+    collected: dict[int, _Collected] = {}  # by index, as they arrive: n is the caller's, bounded by the server
     warnings: list[SchemaWarning] = []
     for chunk in chunks:
         warnings.extend(chunk.warnings)
-        texts.append(chunk.text)
-        thoughts.append(chunk.reasoning_text)
-        token_ids.extend(chunk.token_ids)
-        logprobs.extend(chunk.logprobs)
-        calls.extend(chunk.tool_calls)
-        if chunk.finish_reason is not None:
-            return Completion("".join(texts), token_ids, chunk.finish_reason, chunk.usage or Usage(0, 0, 0),
-                              logprobs, "".join(thoughts), calls, warnings, chunk.schema_check,
-                              chunk.schema_violations, chunk.schema_check_detail)
-    raise InferenceError(grpc.StatusCode.UNKNOWN, "the server ended the stream without a finish reason")
+        if not 0 <= chunk.index < count:
+            raise InferenceError(grpc.StatusCode.UNKNOWN, f"the server sent completion {chunk.index} of a request "
+                                                          f"for {count}")
+        collected.setdefault(chunk.index, _Collected()).add(chunk)
+    finished = sorted(i for i, c in collected.items() if c.last is not None)
+    if len(finished) != count:
+        raise InferenceError(grpc.StatusCode.UNKNOWN, f"the server ended the stream with {len(finished)} of "
+                                                      f"{count} completions finished")
+    return [collected[i].completion(i, warnings) for i in finished]
+
+
+def _one(options: RequestOptions) -> None:
+    if options.get("n", 1) not in (0, 1):
+        raise ValueError("complete() returns one completion: use complete_all() for n > 1")
 
 
 PathLike = str | os.PathLike[str]
@@ -419,8 +467,14 @@ class InferenceClient:
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None,
                  **options: Unpack[RequestOptions]) -> Completion:
-        """The whole completion at once (collects generate())."""
-        return _completion(self.generate(prompt, timeout=timeout, **options))
+        """The whole completion at once (collects generate()); n must be 1."""
+        _one(options)
+        return _completions(self.generate(prompt, timeout=timeout, **options), 1)[0]
+
+    def complete_all(self, prompt: Prompt, *, timeout: float | None = None,
+                     **options: Unpack[RequestOptions]) -> list[Completion]:
+        """The request's n completions (options' n, default 1), whole, in index order."""
+        return _completions(self.generate(prompt, timeout=timeout, **options), options.get("n", 1))
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Generator[Chunk, None, None]:
         call = self.stub.Generate(request, timeout=timeout)
@@ -478,10 +532,16 @@ class AsyncInferenceClient:
 
     async def complete(self, prompt: Prompt, *, timeout: float | None = None,
                        **options: Unpack[RequestOptions]) -> Completion:
-        """The whole completion at once (collects generate())."""
+        """The whole completion at once (collects generate()); n must be 1."""
+        _one(options)
+        return (await self.complete_all(prompt, timeout=timeout, **options))[0]
+
+    async def complete_all(self, prompt: Prompt, *, timeout: float | None = None,
+                           **options: Unpack[RequestOptions]) -> list[Completion]:
+        """The request's n completions (options' n, default 1), whole, in index order."""
         stream = self.generate(prompt, timeout=timeout, **options)
         try:
-            return _completion([chunk async for chunk in stream])
+            return _completions([chunk async for chunk in stream], options.get("n", 1))
         finally:
             await stream.aclose()
 

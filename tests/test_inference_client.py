@@ -106,6 +106,8 @@ def cli_args(*argv: str) -> argparse.Namespace:
                  id="min_tokens-repetition_penalty"),
     pytest.param({"request_id": "r-1"},
                  pb.GenerateRequest(request_id="r-1", prompt="p", sampling=pb.SamplingParams()), id="request_id"),
+    pytest.param({"n": 4}, pb.GenerateRequest(prompt="p", sampling=pb.SamplingParams(n=4)), id="n"),
+    pytest.param({"n": 1}, pb.GenerateRequest(prompt="p", sampling=pb.SamplingParams()), id="n-1-is-the-default"),
 ])
 def test_build_request(kwargs, expected):
     assert build_request("p", **kwargs) == expected
