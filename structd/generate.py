@@ -5,6 +5,12 @@ line with text, finish_reason and usage at the end. --logprobs N adds each
 token's log probability and N alternatives: to the JSON line, or without
 --json to stderr once the text is done, one line per token.
 
+--n K asks for K completions of the prompt (computed once by the server,
+each completion with its own seed): once all have finished, each is printed
+in index order under a "--- completion I (FINISH_REASON) ---" line, or with
+--json as one JSON line each, carrying its "index". The exit status is the
+worst of theirs.
+
 With --json-schema, the keywords the grammar does not enforce ("warnings")
 and the check of the finished output against the schema ("schema_check":
 valid, invalid or unchecked; "schema_violations") go to the JSON line, or
@@ -32,7 +38,8 @@ import sys
 from typing import Any, Callable
 
 from shared.flags import FlagSet
-from shared.inference_client import InferenceClient, InferenceError, SchemaViolation, SchemaWarning, TokenLogprob
+from shared.inference_client import (Completion, InferenceClient, InferenceError, SchemaViolation, SchemaWarning,
+                                     TokenLogprob)
 from shared.tls import add_client_flags, client_tls_from_args
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -93,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
                         help="> 1 discourages tokens already in the prompt or output; 0 or 1 = disabled")
     parser.add_argument("--logprobs", type=_int_in(0, _MAX_TOP_LOGPROBS), default=None, metavar="N",
                         help="each token's log probability and its N most likely alternatives (0 to 20)")
+    parser.add_argument("--n", type=_int_in(1, _INT32_MAX), default=1, metavar="K",
+                        help="K completions of the prompt, each printed under its index (the server's --max-n "
+                             "bounds K)")
     parser.add_argument("--strict-schema", action="store_true",
                         help="with --json-schema: refuse a schema with keywords the grammar does not enforce")
     parser.add_argument("--no-jump-forward", dest="disable_jump_forward", action="store_true",
@@ -156,11 +166,14 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop or (), ignore_eos=args.ignore_eos, timeout=args.timeout_seconds,
         min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, strict_schema=args.strict_schema,
+        n=args.n,
     )
     try:
         with InferenceClient(args.target, tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,
                              tls_key_file=args.tls_key_file) as client:
-            if args.json_output:
+            if args.n > 1:
+                finish_reason, check = _print_all(client, args.prompt, options, args.json_output)
+            elif args.json_output:
                 finish_reason, check = _print_json(client, args.prompt, options)
             else:
                 finish_reason, check = _stream(client, args.prompt, options)
@@ -202,17 +215,51 @@ def _stream(client: InferenceClient, prompt: str, options: dict[str, Any]) -> tu
         sys.stdout.write("\n")
         sys.stdout.flush()
     # After the text, not interleaved with it: stdout stays exactly the text.
+    _print_logprobs(logprobs)
+    _print_warnings(warnings)
+    _print_check(check, violations, detail)
+    return finish_reason, check
+
+
+def _print_logprobs(logprobs: list[TokenLogprob], label: str = "") -> None:
     for lp in logprobs:
         alternatives = ", ".join(f"{_token_text(t.token_bytes)} {t.logprob:.4f}" for t in lp.top_logprobs)
-        print(f"{lp.logprob:.4f}\t{_token_text(lp.token_bytes)}"
+        print(f"{label}{lp.logprob:.4f}\t{_token_text(lp.token_bytes)}"
               + ("\tforced" if lp.forced else f"\t[{alternatives}]" if alternatives else ""), file=sys.stderr)
+
+
+def _print_warnings(warnings: list[SchemaWarning]) -> None:
     for w in warnings:
         print(f"warning: {w.message}", file=sys.stderr)
+
+
+def _print_check(check: str | None, violations: list[SchemaViolation], detail: str, label: str = "") -> None:
     for v in violations:
-        print(f"schema violation: {v.keyword} at {v.instance_pointer or '(root)'}: {v.message}", file=sys.stderr)
+        print(f"{label}schema violation: {v.keyword} at {v.instance_pointer or '(root)'}: {v.message}",
+              file=sys.stderr)
     if check == "unchecked" or detail:
-        print(f"schema check {check}: {detail}", file=sys.stderr)
-    return finish_reason, check
+        print(f"{label}schema check {check}: {detail}", file=sys.stderr)
+
+
+def _print_all(client: InferenceClient, prompt: str, options: dict[str, Any],
+               json_output: bool) -> tuple[str | None, str | None]:
+    """Prints the n completions in index order; returns the worst (finish_reason, schema_check): a failed
+    finish before any other, then an invalid output."""
+    completions = client.complete_all(prompt, **options)
+    for c in completions:
+        if json_output:
+            print(json.dumps({"index": c.index, **_json_line(c, options["logprobs"])}), flush=True)
+            continue
+        print(f"--- completion {c.index} ({c.finish_reason}) ---")
+        print(c.text, flush=True)
+        label = f"completion {c.index}: "
+        _print_logprobs(c.logprobs, label)
+        _print_check(c.schema_check, c.schema_violations, c.schema_check_detail, label)
+    if not json_output:
+        _print_warnings(completions[0].warnings)  # one constraint: the same for every completion
+    failed = [c.finish_reason for c in completions if c.finish_reason in _FAILED_FINISH_REASONS]
+    invalid = any(c.schema_check == "invalid" for c in completions)
+    return (failed[0] if failed else completions[0].finish_reason), ("invalid" if invalid else None)
 
 
 def _token_text(raw: bytes) -> str:
@@ -230,8 +277,7 @@ def _logprob_json(lp: TokenLogprob) -> dict[str, Any]:
     }
 
 
-def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -> tuple[str, str | None]:
-    completion = client.complete(prompt, **options)
+def _json_line(completion: Completion, logprobs: bool) -> dict[str, Any]:
     usage = completion.usage
     line: dict[str, Any] = {
         "text": completion.text,
@@ -239,7 +285,7 @@ def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -
         "usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                   "forced_tokens": usage.forced_tokens},
     }
-    if options["logprobs"]:
+    if logprobs:
         line["logprobs"] = [_logprob_json(lp) for lp in completion.logprobs]
     if completion.warnings:
         line["warnings"] = [dataclasses.asdict(w) for w in completion.warnings]
@@ -247,7 +293,12 @@ def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -
         line["schema_check"] = completion.schema_check
         line["schema_violations"] = [dataclasses.asdict(v) for v in completion.schema_violations]
         line["schema_check_detail"] = completion.schema_check_detail
-    print(json.dumps(line), flush=True)
+    return line
+
+
+def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -> tuple[str, str | None]:
+    completion = client.complete(prompt, **options)
+    print(json.dumps(_json_line(completion, options["logprobs"])), flush=True)
     return completion.finish_reason, completion.schema_check
 
 
