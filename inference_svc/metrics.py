@@ -65,10 +65,11 @@ class InferenceMetrics:
         self.kv_usage = Gauge(
             "inference_svc_kv_cache_usage_ratio",
             "Fraction of KV cache blocks mapped by requests (free blocks that still hold a cached prefix are "
-            "not in use: inference_svc_kv_cache_cached_free_blocks).", registry=r)
-        self.kv_cached_free_blocks = Gauge(
-            "inference_svc_kv_cache_cached_free_blocks",
-            "KV cache blocks no request maps that still hold a cached prefix (reclaimed when needed).", registry=r)
+            "not in use: inference_svc_kv_cache_cached_free_ratio).", registry=r)
+        self.kv_cached_free = Gauge(
+            "inference_svc_kv_cache_cached_free_ratio",
+            "Fraction of KV cache blocks no request maps that still hold a cached prefix (reclaimed when needed).",
+            registry=r)
         self.prefix_cached_blocks = Gauge(
             "inference_svc_prefix_cache_blocks",
             "KV cache blocks registered in the prefix cache, mapped by a request or free.", registry=r)

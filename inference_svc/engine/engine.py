@@ -811,7 +811,7 @@ class Engine:
             self.metrics.waiting.set(len(self.scheduler.waiting) + len(self._compiling))
             blocks = self.runner.block_manager
             self.metrics.kv_usage.set(blocks.usage_ratio)
-            self.metrics.kv_cached_free_blocks.set(blocks.num_cached_free_blocks)
+            self.metrics.kv_cached_free.set(blocks.num_cached_free_blocks / blocks.num_blocks)
             self.metrics.prefix_cached_blocks.set(blocks.num_cached_blocks)
         except Exception:  # noqa: BLE001 - the metrics library's: gauges are best effort, steps are not
             log.exception("updating gauges failed")
