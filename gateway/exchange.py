@@ -147,7 +147,7 @@ class EventStream:
                 if resp.token_ids and not timed:
                     timed = True
                     self.record.first_token()
-                if self.reply.finish is not None:
+                if self.reply.done:
                     break
                 resp = await read(self.call)
         except OSError:

@@ -41,7 +41,7 @@ def test_unknown_model_is_404(openai_client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    pytest.param({"n": 2}, "n", id="n"),
+    pytest.param({"n": 0}, "n", id="n-zero"),
     pytest.param({"presence_penalty": 0.5}, "presence_penalty", id="presence_penalty"),
     pytest.param({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", id="two-constraints"),
 ])

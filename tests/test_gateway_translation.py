@@ -64,7 +64,7 @@ def test_sampling_parameters(body, field, value):
 
 
 @pytest.mark.parametrize("body, param", [
-    pytest.param({"n": 2}, "n", id="n"),
+    pytest.param({"n": 0}, "n", id="n-zero"),
     pytest.param({"presence_penalty": 0.5}, "presence_penalty", id="presence_penalty"),
     pytest.param({"frequency_penalty": -1}, "frequency_penalty", id="frequency_penalty"),
     pytest.param({"logit_bias": {"42": 3}}, "logit_bias", id="logit_bias"),

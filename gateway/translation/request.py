@@ -4,8 +4,10 @@ Chat (`/v1/chat/completions`) and legacy completions (`/v1/completions`)
 share the sampling parameters, `response_format` and structd's extension
 field `structured_outputs` (vLLM's name and shape, plus structd's own JSON
 and jump-forward options). What structd cannot honour is refused with a 400
-naming the parameter rather than ignored: `n` > 1, non-zero presence /
-frequency penalties, `logit_bias`, `echo`, `suffix`. Fields this gateway
+naming the parameter rather than ignored: non-zero presence / frequency
+penalties, `logit_bias`, `echo`, `suffix`, `best_of` other than `n`. `n`
+goes on to the inference service, which refuses more than its --max-n
+(INVALID_ARGUMENT, a 400 naming the flag). Fields this gateway
 does not know are ignored, as vLLM does (`user`, `metadata`, `store`, ...).
 docs/openai.md documents every decision made here.
 """
@@ -60,10 +62,6 @@ def check_model(body: Fields, served: str) -> str:
 
 
 def _refuse_unsupported(body: Fields) -> None:
-    n = body.integer("n", 1)
-    if n != 1:
-        raise body.fail("n", "'n' must be 1: structd returns one choice per request (send several requests, "
-                             "each with its own seed, for several samples).")
     for key in ("presence_penalty", "frequency_penalty"):
         if body.number(key, 0.0):
             raise body.fail(key, f"'{key}' is not supported (only 0); 'repetition_penalty' (> 1 discourages "
@@ -95,6 +93,8 @@ def sampling(body: Fields, max_tokens: int | None) -> pb.SamplingParams:
         ignore_eos=body.boolean("ignore_eos", False),
         min_tokens=body.integer("min_tokens", 0, minimum=0),
         repetition_penalty=body.number("repetition_penalty", 1.0, minimum=0.0),
+        # The upper bound is the inference service's --max-n, which it enforces.
+        n=body.integer("n", 1, minimum=1),
     )
     # vLLM's -1 (and 0) disable top_k.
     top_k = body.integer("top_k", 0, minimum=-1)
@@ -416,11 +416,12 @@ def completion_request(body: Fields, served_model: str, request_id: str) -> Tran
         raise body.fail("echo", "'echo' is not supported: the prompt is not returned with the completion.")
     if body.string("suffix"):
         raise body.fail("suffix", "'suffix' is not supported (no fill-in-the-middle).")
-    if body.integer("best_of", 1) != 1:
-        raise body.fail("best_of", "'best_of' must be 1: structd returns one choice per request.")
     stream, include_usage = _stream(body)
     max_tokens = body.integer("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, minimum=1)
     req = pb.GenerateRequest(request_id=request_id, sampling=sampling(body, max_tokens))
+    if body.integer("best_of", req.sampling.n) != req.sampling.n:
+        raise body.fail("best_of", "'best_of' must equal 'n' (or be left out): structd returns every completion it "
+                                   "generates and does not rank them.")
     _prompt(body, req)
     _thinking_budget(body, req)
     c = constraint(body)

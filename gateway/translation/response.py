@@ -6,11 +6,19 @@ the role first, then content / reasoning_content / tool_calls deltas, then
 an empty delta with the finish reason, then the usage chunk when asked),
 `add(resp)` collects it for the one response object `result()` returns.
 
+With `n` > 1 the inference service streams the n completions interleaved,
+each response naming its choice by index: each choice gets its own role
+chunk, deltas and finish chunk (`choices[0].index` says which), the usage
+chunk comes once every choice has finished, and the response object lists
+the choices in index order. Usage counts the shared prompt once.
+
 structd's own fields ride in a "structd" object on the response and on the
 stream chunks (OpenAI's SDKs keep unknown fields): "warnings", the schema
 keywords the grammar does not enforce (on the first chunk), and on the last
 one "schema_check" ("valid", "invalid", "unchecked"), "schema_violations" and
-"schema_check_detail", for a JSON Schema output that finished.
+"schema_check_detail", for a JSON Schema output that finished. With several
+choices, a response object carries each choice's check in that choice's own
+"structd" object (its stream, on its finish chunk, as with one).
 
 Finish reasons: STOP and STOP_STRING are "stop", LENGTH "length",
 TOOL_CALLS "tool_calls". A request the inference service cancels (it is
@@ -46,10 +54,15 @@ def finish_reason(resp: pb.GenerateResponse) -> str | None:
     return reason
 
 
-def usage(u: pb.Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+def usage(per_choice: list[pb.Usage]) -> dict[str, Any]:
+    """The call's usage from each choice's: the prompt counted once (every choice shares it), completion
+    and reasoning tokens summed; cached tokens are choice 0's (those found in the prefix cache at its
+    admission: the others find the prompt it computed)."""
+    prompt = per_choice[0].prompt_tokens
+    completion = sum(u.completion_tokens for u in per_choice)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": per_choice[0].cached_prompt_tokens},
+            "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in per_choice)}}
 
 
 def tool_call(call: pb.ToolCall) -> dict[str, Any]:
@@ -93,8 +106,39 @@ def model_list(info: pb.GetModelInfoResponse) -> dict[str, Any]:
     return {"object": "list", "data": [model_object(info)]}
 
 
+class _Choice:
+    """One completion of the call (a choice), collected."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[pb.ToolCall] = []
+        self.logprobs: list[pb.TokenLogprob] = []
+        self.finish: str | None = None
+        self.usage: pb.Usage | None = None
+        self.check: dict[str, Any] = {}  # its schema check's "structd" fields
+        self.started = False  # chat streams: its role chunk has gone out
+        self.calls_sent = 0  # chat streams: tool calls streamed so far
+        self.legacy = LegacyLogprobs()  # completion streams: text offsets run on across its chunks
+
+    def add(self, resp: pb.GenerateResponse) -> None:
+        self.text.append(resp.text)
+        self.reasoning.append(resp.reasoning_text)
+        self.tool_calls.extend(resp.tool_calls)
+        self.logprobs.extend(resp.logprobs)
+
+    def end(self, resp: pb.GenerateResponse) -> str | None:
+        """Its finish reason, once resp carries it (None before)."""
+        self.finish = finish_reason(resp)
+        if self.finish is not None:
+            self.usage = resp.usage
+            self.check = schema_check(resp)
+        return self.finish
+
+
 class _Reply:
-    """What both endpoints share: the envelope, collected text, usage, the finish."""
+    """What both endpoints share: the envelope, the choices (SamplingParams.n of them, each response naming
+    its own by index), usage, the finish."""
 
     object_name = ""
     chunk_name = ""
@@ -103,17 +147,50 @@ class _Reply:
         self.call = call
         self.id = reply_id
         self.created = created
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.tool_calls: list[pb.ToolCall] = []
-        self.logprobs: list[pb.TokenLogprob] = []
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.structd: dict[str, Any] = {}  # the response object's "structd" fields
+        self.n = max(call.grpc_request.sampling.n, 1)
+        # By index, as their responses arrive: n is the client's (up to an int32) until the inference service
+        # refuses one above its --max-n.
+        self.choices: dict[int, _Choice] = {}
+        self.finished = 0
+        self.warnings: dict[str, Any] = {}  # the response object's "structd" warnings (one constraint for all)
 
     @property
     def wants_logprobs(self) -> bool:
         return self.call.top_logprobs is not None
+
+    @property
+    def done(self) -> bool:
+        """Every choice has its finish reason."""
+        return self.finished == self.n
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        if not self.done:
+            return None
+        return usage([self.choices[i].usage for i in sorted(self.choices)])
+
+    def choice(self, resp: pb.GenerateResponse) -> _Choice:
+        if not 0 <= resp.index < self.n:
+            raise errors.UnavailableError(f"The inference service answered for choice {resp.index} of a request "
+                                          f"for {self.n}: retry the request.")
+        return self.choices.setdefault(resp.index, _Choice())
+
+    def end(self, c: _Choice, resp: pb.GenerateResponse) -> str | None:
+        """The choice's finish reason once resp carries it, counted (None before)."""
+        ended = c.finish is not None
+        finish = c.end(resp)
+        if finish is not None and not ended:
+            self.finished += 1
+        return finish
+
+    def structd(self) -> dict[str, Any]:
+        """The response object's "structd" fields: the warnings, and with one choice its schema check (with
+        several, each choice carries its own)."""
+        return {**self.warnings, **(self.choices[0].check if self.n == 1 else {})}
+
+    def with_check(self, out: dict[str, Any], c: _Choice) -> dict[str, Any]:
+        """A whole choice object, with its own "structd" check when the call has several choices."""
+        return with_structd(out, c.check) if self.n > 1 else out
 
     def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.call.model,
@@ -125,111 +202,102 @@ class _Reply:
             out["usage"] = None  # as OpenAI: every chunk has the key; only the last one a value
         return out
 
-    def _end(self, resp: pb.GenerateResponse) -> str | None:
-        self.finish = finish_reason(resp)
-        if self.finish is not None:
-            self.usage = usage(resp.usage)
-            self.structd.update(schema_check(resp))
-        return self.finish
-
     def usage_chunk(self) -> list[dict[str, Any]]:
-        if not self.call.include_usage:
+        if not self.call.include_usage or not self.done:
             return []
         out = self._envelope(self.chunk_name, [])
         out["usage"] = self.usage
         return [out]
 
     def add(self, resp: pb.GenerateResponse) -> bool:
-        """Collects one response; True once the call is finished."""
-        self.text.append(resp.text)
-        self.reasoning.append(resp.reasoning_text)
-        self.tool_calls.extend(resp.tool_calls)
-        self.logprobs.extend(resp.logprobs)
-        self.structd.update(warnings(resp))
-        return self._end(resp) is not None
+        """Collects one response; True once the call is finished (every choice)."""
+        c = self.choice(resp)
+        c.add(resp)
+        self.warnings.update(warnings(resp))
+        self.end(c, resp)
+        return self.done
+
+    def result(self) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [self._whole(i, self.choices[i]) for i in sorted(self.choices)])
+        out["usage"] = self.usage
+        return with_structd(out, self.structd())
+
+    def _whole(self, index: int, c: _Choice) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 class ChatReply(_Reply):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
 
-    def __init__(self, call: Translated, reply_id: str, created: int):
-        super().__init__(call, reply_id, created)
-        self.started = False
-        self.calls_sent = 0
-
-    def _choice(self, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    @staticmethod
+    def _choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def chunks(self, resp: pb.GenerateResponse) -> list[dict[str, Any]]:
         out = []
-        if not self.started:
-            self.started = True
-            out.append(with_structd(self._chunk(self._choice({"role": "assistant", "content": ""})), warnings(resp)))
+        c, i = self.choice(resp), resp.index
+        if not c.started:
+            c.started = True
+            # The call's first response is some choice's first: its role chunk carries the call's warnings.
+            out.append(with_structd(self._chunk(self._choice(i, {"role": "assistant", "content": ""})),
+                                    warnings(resp)))
         delta: dict[str, Any] = {}
         if resp.reasoning_text:
             delta["reasoning_content"] = resp.reasoning_text
         if resp.text:
             delta["content"] = resp.text
         if resp.tool_calls:
-            delta["tool_calls"] = [{"index": self.calls_sent + i, **tool_call(c)} for i, c in enumerate(resp.tool_calls)]
-            self.calls_sent += len(resp.tool_calls)
+            delta["tool_calls"] = [{"index": c.calls_sent + k, **tool_call(t)} for k, t in enumerate(resp.tool_calls)]
+            c.calls_sent += len(resp.tool_calls)
         logprobs = chat_logprobs(resp.logprobs) if self.wants_logprobs and resp.logprobs else None
         if delta or logprobs:
-            out.append(self._chunk(self._choice(delta, logprobs)))
-        finish = self._end(resp)
+            out.append(self._chunk(self._choice(i, delta, logprobs)))
+        finish = self.end(c, resp)
         if finish is not None:
-            out.append(with_structd(self._chunk(self._choice({}, finish=finish)), schema_check(resp)))
+            out.append(with_structd(self._chunk(self._choice(i, {}, finish=finish)), c.check))
             out += self.usage_chunk()
         return out
 
-    def result(self) -> dict[str, Any]:
-        text = "".join(self.text)
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not self.tool_calls else None}
-        reasoning = "".join(self.reasoning)
+    def _whole(self, index: int, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not c.tool_calls else None}
+        reasoning = "".join(c.reasoning)
         if reasoning:
             message["reasoning_content"] = reasoning
-        if self.tool_calls:
-            message["tool_calls"] = [tool_call(c) for c in self.tool_calls]
-        choice = {"index": 0, "message": message,
-                  "logprobs": chat_logprobs(self.logprobs) if self.wants_logprobs else None,
-                  "finish_reason": self.finish}
-        out = self._envelope(self.object_name, [choice])
-        out["usage"] = self.usage
-        return with_structd(out, self.structd)
+        if c.tool_calls:
+            message["tool_calls"] = [tool_call(t) for t in c.tool_calls]
+        return self.with_check({"index": index, "message": message,
+                                "logprobs": chat_logprobs(c.logprobs) if self.wants_logprobs else None,
+                                "finish_reason": c.finish}, c)
 
 
 class CompletionReply(_Reply):
     object_name = "text_completion"
     chunk_name = "text_completion"
 
-    def __init__(self, call: Translated, reply_id: str, created: int):
-        super().__init__(call, reply_id, created)
-        self.legacy = LegacyLogprobs()
-
-    def _choice(self, text: str, logprobs: Any = None, finish: str | None = None,
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: Any = None, finish: str | None = None,
                 reasoning: str = "") -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if reasoning:
             choice["reasoning_content"] = reasoning
         return choice
 
     def chunks(self, resp: pb.GenerateResponse) -> list[dict[str, Any]]:
         out = []
-        logprobs = self.legacy.build(resp.logprobs) if self.wants_logprobs and resp.logprobs else None
+        c, i = self.choice(resp), resp.index
+        logprobs = c.legacy.build(resp.logprobs) if self.wants_logprobs and resp.logprobs else None
         first = warnings(resp)
         if resp.text or resp.reasoning_text or logprobs or first:
-            out.append(with_structd(self._chunk(self._choice(resp.text, logprobs, reasoning=resp.reasoning_text)),
+            out.append(with_structd(self._chunk(self._choice(i, resp.text, logprobs, reasoning=resp.reasoning_text)),
                                     first))
-        finish = self._end(resp)
+        finish = self.end(c, resp)
         if finish is not None:
-            out.append(with_structd(self._chunk(self._choice("", finish=finish)), schema_check(resp)))
+            out.append(with_structd(self._chunk(self._choice(i, "", finish=finish)), c.check))
             out += self.usage_chunk()
         return out
 
-    def result(self) -> dict[str, Any]:
-        logprobs = self.legacy.build(self.logprobs) if self.wants_logprobs else None
-        out = self._envelope(self.object_name, [self._choice("".join(self.text), logprobs, self.finish,
-                                                             "".join(self.reasoning))])
-        out["usage"] = self.usage
-        return with_structd(out, self.structd)
+    def _whole(self, index: int, c: _Choice) -> dict[str, Any]:
+        logprobs = LegacyLogprobs().build(c.logprobs) if self.wants_logprobs else None
+        return self.with_check(self._choice(index, "".join(c.text), logprobs, c.finish, "".join(c.reasoning)), c)
