@@ -113,6 +113,14 @@ def test_same_answers_as_one_process(split_server, inference_server, prompt, opt
     assert _without_call_ids(got) == _without_call_ids(want)
 
 
+def test_n_completions_come_back_as_from_one_process(split_server, inference_server):
+    options = dict(n=3, max_tokens=6, ignore_eos=True, temperature=1.0, seed=2, timeout=60)
+    with InferenceClient(split_server.target) as split, InferenceClient(inference_server.target) as one:
+        got = split.complete_all("Once upon", **options)
+        want = one.complete_all("Once upon", **options)
+    assert [c.index for c in got] == [0, 1, 2] and got == want
+
+
 def _without_call_ids(chunks):
     """Tool-call ids are random per call; everything else must be equal."""
     return [dataclasses.replace(c, tool_calls=[dataclasses.replace(t, id="") for t in c.tool_calls]) for c in chunks]
