@@ -31,6 +31,8 @@ import asyncio
 import functools
 import json
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -53,6 +55,8 @@ MAX_COUNTED = 10_000
 # Validators a worker keeps (by schema text).
 VALIDATORS_PER_WORKER = 64
 JSON_KEYWORD = "json"
+# How often a worker looks whether the server that started it is still there.
+PARENT_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,21 @@ class CheckWorkerDiedError(UnavailableError):
     """The worker process running this check died under it (its pool is replaced; later checks run)."""
 
 
+def _start_worker(memory_limit_bytes: int = 0) -> None:
+    """A pool worker's initializer: the worker ends once the server that started it is gone, then _warm. A
+    server that is killed cannot stop its pool, and a spawned worker holds both ends of its call queue, so it
+    would wait on that queue for ever (holding its memory, and any pipe it inherited, such as a supervisor's
+    stdout)."""
+    threading.Thread(target=_exit_without_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+    _warm(memory_limit_bytes)
+
+
+def _exit_without_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)
+
+
 def _warm(memory_limit_bytes: int = 0) -> None:
     """Caps the worker's address space, then imports the validator library when the worker starts, not under
     the first check's deadline."""
@@ -179,7 +198,8 @@ class OutputChecks:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: the server has threads (gRPC, fills), which fork would copy in an unknown state.
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm,
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker,
                                    initargs=(self.memory_limit_bytes,))
 
     async def warm(self) -> None:

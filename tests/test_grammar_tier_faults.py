@@ -26,6 +26,7 @@ from structd.bench.harness import ChildService
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.inference_client import InferenceClient
 from tests.conftest import InferenceServerThread, background_complete, start_grammar_server, wait_until
+from tests.test_cli import children_of, running
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
 STEP_TIMEOUT_SECONDS = 0.5
@@ -72,6 +73,7 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
         wait_until(lambda: srv.run_sync(placed), "requests decoding")
         victim_index = next(iter(srv.run_sync(placed)))
         victim = next(r for r in replicas if r.target == engine.grammar.target(victim_index))
+        workers = children_of(victim.proc.pid)  # its compile zygote, check workers, resource tracker
         os.kill(victim.proc.pid, fault)
         for t, box in jobs:
             t.join(120)
@@ -89,6 +91,9 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
         wait_until(lambda: _active_sessions(survivor) == 0, "sessions left open on the surviving replica", 15)
         if fault == signal.SIGSTOP:
             os.kill(victim.proc.pid, signal.SIGCONT)
+        else:
+            # A killed replica cannot stop its workers: they end on their own, rather than wait for ever.
+            wait_until(lambda: not [p for p in workers if running(p)], "the killed replica's workers outlived it", 15)
     finally:
         _stop_all(srv, replicas)
 
