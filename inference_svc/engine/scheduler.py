@@ -164,14 +164,16 @@ class Scheduler:
     def commit(self, step: ScheduledStep) -> None:
         """Marks the step's tokens as being in the KV cache (after its forward ran): the full blocks among
         them join the prefix cache."""
-        caching = self.blocks.prefix_caching
+        caching, bs = self.blocks.prefix_caching, self.blocks.block_size
         for s in step.chunks:
             req = s.request
+            before = req.num_computed
             req.num_computed += len(s.chunk.token_ids)
             if req.num_computed >= req.num_prompt:
                 req.prefilled = True
-            if caching and req.seq_id in self.blocks:
-                chain_block_hashes(req.all_ids, req.block_hashes, self.blocks.block_size)
+            # Only a step that filled a block has one to register (most decode steps do not): no hashing then.
+            if caching and req.num_computed // bs > before // bs and req.seq_id in self.blocks:
+                chain_block_hashes(req.all_ids, req.block_hashes, bs)
                 self.blocks.cache_computed(req.seq_id, req.block_hashes, req.num_computed)
 
     def _chunk(self, req: GenerationRequest, n: int) -> ScheduledChunk:
