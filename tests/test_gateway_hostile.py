@@ -123,7 +123,7 @@ def test_the_parsed_body_is_not_kept_while_its_generation_runs(gateway_url, serv
     pytest.param("min_tokens", b"-3000000000", ("between 0 and 2147483647",), id="min_tokens-int32"),
     pytest.param("thinking_token_budget", b"2147483648", ("between 0 and 2147483647",), id="thinking-budget-int32"),
     pytest.param("top_k", b"1e20", ("between -1 and 2147483647",), id="top_k-1e20"),
-    pytest.param("n", b"1e400", ("between -2147483648 and 2147483647",), id="n-1e400"),
+    pytest.param("n", b"1e400", ("between 1 and 2147483647",), id="n-1e400"),
     pytest.param("temperature", b"NaN", ("a number between 0.0 and", "got nan"), id="temperature-NaN"),
     pytest.param("temperature", b"1e39", ("a number between 0.0 and",), id="temperature-past-float32"),
     pytest.param("seed", b"18446744073709551616", ("between -9223372036854775808 and 18446744073709551615",),
