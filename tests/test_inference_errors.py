@@ -48,9 +48,9 @@ def test_invalid_argument_names_the_problem(inference_client, kwargs, needle):
     assert "Traceback" not in err.value.message
 
 
-def test_compile_deadline_is_deadline_exceeded(inference_client):
-    with pytest.raises(InferenceError) as err:
-        inference_client.complete("x", json_schema=TOO_SLOW_SCHEMA)
+def test_compile_deadline_is_deadline_exceeded(simulated):
+    with InferenceClient(simulated.target) as client, pytest.raises(InferenceError) as err:
+        client.complete("x", json_schema=TOO_SLOW_SCHEMA)
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "deadline" in err.value.message
 
@@ -67,6 +67,10 @@ def test_client_deadline_frees_the_request(inference_client, inference_server):
 
 # ------------------------------------------------ a simulated-runner server with tight limits
 
+# TOO_SLOW_SCHEMA compiles for tens of seconds, these tests' regexes in well under one: the deadline test
+# need not wait out the session server's deadline, sized for the slow grammars other files compile.
+COMPILE_TIMEOUT_SECONDS = 6.0
+
 @pytest.fixture(scope="module")
 def own_grammar():
     srv = start_grammar_server()
@@ -81,7 +85,8 @@ def simulated(own_grammar):
     cfg = InferenceServiceConfig(
         host="127.0.0.1", port=0, metrics_port=free_port(), grammar_targets=(own_grammar.target,),
         simulate_step_ms=5.0, grace_seconds=1.0,
-        engine=EngineConfig(max_num_seqs=1, max_waiting=2, default_max_tokens=16))
+        engine=EngineConfig(max_num_seqs=1, max_waiting=2, default_max_tokens=16,
+                            compile_timeout_seconds=COMPILE_TIMEOUT_SECONDS))
     srv = InferenceServerThread(cfg)
     yield srv
     srv.stop()
