@@ -1,7 +1,7 @@
 """`structd bench soak` end to end in a very short run (not a timing test), and its pure parts.
 
-Through the CLI entry point: 16 streams for 12 s on the simulated runner, one
-grammar replica SIGKILLed at 6 s and started again on its port. Checks the
+Through the CLI entry point: 16 streams for 8 s on the simulated runner, one
+grammar replica SIGKILLed at 4 s and started again on its port. Checks the
 JSON's structure and that its numbers are plausible (the books balance, KV
 blocks and grammar sessions all returned once the load stopped), the PNG and
 the markdown. The real soak and its numbers are in docs/benchmarks.md.
@@ -36,8 +36,8 @@ def _soak(tmp_path, *flags: str) -> dict:
 
 
 def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, capsys):
-    result = _soak(tmp_path, "--duration-seconds", "12", "--streams", "16", "--restart-every-seconds", "6",
-                   "--max-tokens", "32", "--warmup-seconds", "4", "--progress-seconds", "5",
+    result = _soak(tmp_path, "--duration-seconds", "8", "--streams", "16", "--restart-every-seconds", "4",
+                   "--max-tokens", "32", "--warmup-seconds", "3", "--progress-seconds", "3",
                    "--request-timeout-seconds", "30")
     png = tmp_path / "soak.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -54,7 +54,7 @@ def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, caps
 
     [restart] = result["restarts"]
     assert restart["replica"] == 1 and restart["signal"] == "SIGKILL" and restart["exit_code"] == -9
-    assert restart["restarted"] and 0 < restart["down_seconds"] < 120 and 5.5 < restart["t"] < 12
+    assert restart["restarted"] and 0 < restart["down_seconds"] < 120 and 3.5 < restart["t"] < 8
 
     # Once the load has stopped, every KV block and grammar session is back.
     e = result["end_state"]
@@ -63,27 +63,27 @@ def test_short_soak_through_the_cli_writes_plausible_json_and_png(tmp_path, caps
 
     r = result["rss"]
     assert r["samples"] >= 5 and 50 < r["start_mib"] < 16384 and r["max_mib"] >= r["end_mib"] > 50
-    assert r["warmup_seconds"] == 4 and r["growth_after_warmup_mib"] == pytest.approx(r["end_mib"] - r["after_warmup_mib"])
+    assert r["warmup_seconds"] == 3 and r["growth_after_warmup_mib"] == pytest.approx(r["end_mib"] - r["after_warmup_mib"])
     assert r["max_mib"] >= r["after_warmup_mib"]
     t = result["throughput"]
-    assert t["tokens"] > 0 and t["tokens_per_second_mean"] > 0 and t["load_seconds"] >= 12
+    assert t["tokens"] > 0 and t["tokens_per_second_mean"] > 0 and t["load_seconds"] >= 8
     load = [s for s in result["samples"] if not s.get("settle")]
-    assert len(load) >= 10 and any(s["tokens_per_second"] for s in load)
+    assert len(load) >= 6 and any(s["tokens_per_second"] for s in load)
     assert [s["t"] for s in result["samples"]] == sorted(s["t"] for s in result["samples"])
     assert result["machine"]["logical_cpus"] >= 1 and result["inference_counters"]
     assert result["faults_seen"] == bool(q["lost"])
 
     out = capsys.readouterr()
-    assert "| requests lost to faults |" in out.out and "KILL r1 at 6 s" in out.out
+    assert "| requests lost to faults |" in out.out and "KILL r1 at 4 s" in out.out
     assert len(re.findall(r"\] t=\d+ s: ", out.err)) >= 2 and "restart 1: SIGKILL to grammar replica 1" in out.err
 
 
 def test_hostile_requests_mixed_in_are_refused_and_lose_no_ordinary_request(tmp_path, capsys):
-    """Issue 24's hostile cases at 1/s beside 8 streams for 8 s, no restart: every hostile request is refused
+    """Issue 24's hostile cases at 2/s beside 8 streams for 4 s, no restart: every hostile request is refused
     INVALID_ARGUMENT and counted apart, no ordinary request is lost, and the memory watch reports every process
     of the stack, workers included."""
-    result = _soak(tmp_path, "--duration-seconds", "8", "--streams", "8", "--restart-every-seconds", "0",
-                   "--hostile-rate", "1", "--max-tokens", "16", "--warmup-seconds", "2",
+    result = _soak(tmp_path, "--duration-seconds", "4", "--streams", "8", "--restart-every-seconds", "0",
+                   "--hostile-rate", "2", "--max-tokens", "16", "--warmup-seconds", "2",
                    "--request-timeout-seconds", "60")
     q, h = result["requests"], result["hostile"]
     assert q["lost"] == 0 and q["completed"] > 0, q["lost_examples"]
