@@ -135,7 +135,9 @@ def sampling_options(s: pb.SamplingParams, config: EngineConfig, max_model_len: 
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
         default_max_tokens=config.default_max_tokens, max_max_tokens=max_model_len,
         logprobs=s.logprobs, top_logprobs=s.top_logprobs, min_tokens=s.min_tokens,
-        repetition_penalty=s.repetition_penalty, n=s.n, max_n=config.max_n)
+        repetition_penalty=s.repetition_penalty, n=s.n, max_n=config.max_n,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias),
+        min_p=s.min_p, stop_token_ids=tuple(s.stop_token_ids), include_stop_str_in_output=s.include_stop_str_in_output)
 
 
 def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.GenerateResponse:

@@ -238,6 +238,7 @@ class Engine:
         if self.num_active + self._tokenizing - len(self.scheduler.running) + options.n > self.config.max_waiting:
             raise errors.LimitExceededError(
                 f"{self.config.max_waiting} requests are already waiting; retry later or on another replica")
+        options.check_token_ids(self.tok_vocab_size)
         prompt_ids = await self._prompt_ids(prompt)
         self._check_accepting()  # again: it may have started draining while the prompt was tokenized
         if len(prompt_ids) + options.max_tokens > self.max_model_len:
@@ -279,6 +280,7 @@ class Engine:
             options=options,
             sampler=RowSampler(options, self.runner.device),
             text=ResponseText(self.tok.token_bytes, self.tok.special_ids, options.stop,
+                              include_stop=options.include_stop_str_in_output,
                               think_end_id=thinking.end_id if thinking is not None else None,
                               tool_parser=copy.deepcopy(tool_parser) if index else tool_parser),
             grammar=grammar,
@@ -483,10 +485,10 @@ class Engine:
         phases["emit"].observe(time.perf_counter() - emitting)
 
     def _screenable(self, req: GenerationRequest) -> bool:
-        """A row whose draw is the argmax of its logits and nothing else (no logprobs, penalties or EOS ban
-        for min_tokens): the greedy screen may find it (greedy_head.py)."""
+        """A row whose draw is the argmax of its logits and nothing else (no logprobs, bias, penalties or EOS
+        ban for min_tokens): the greedy screen may find it (greedy_head.py)."""
         return (self._greedy_head and req.sampler.argmax_only and not req.options.wants_logprobs
-                and req.sampler.seen is None and req.num_output >= req.options.min_tokens)
+                and not req.sampler.adjusts and req.num_output >= req.options.min_tokens)
 
     def _greedy_rows(self, sampled: list[GenerationRequest], plan: RowPlan) -> dict[int, np.ndarray | None]:
         """The plan's screenable rows -> the ids each may not take besides its disallowed-id list: a banned
@@ -588,10 +590,12 @@ class Engine:
             return []
         for i in plan.sample:
             req = sampled[i]
-            if req.sampler.seen is not None:
-                plan.penalties.append((i, req.sampler.seen.update(req.all_ids), req.options.repetition_penalty))
+            if req.sampler.adjusts:
+                self._plan_adjustments(plan, i, req)
             if req.num_output < req.options.min_tokens:
                 plan.before_min_tokens.append(i)
+                if req.options.stop_token_ids:
+                    plan.min_tokens_bans[i] = np.union1d(self._eos_ids, sorted(req.options.stop_token_ids))
         samplers = [sampled[i].sampler for i in plan.sample]
         if logits.device.type == "cpu":
             # Drawn right here: on the CPU a step's draw is a short run of numpy and torch calls that hold the
@@ -601,6 +605,18 @@ class Engine:
             return self._sampler.sample(logits, plan, samplers)
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._sampler.sample, logits, plan, samplers)
+
+    @staticmethod
+    def _plan_adjustments(plan: RowPlan, i: int, req: GenerationRequest) -> None:
+        """Row i's logit bias and penalties, from its request's tokens so far."""
+        s, o = req.sampler, req.options
+        if s.bias is not None:
+            plan.bias.append((i, *s.bias))
+        if s.seen is not None:
+            plan.penalties.append((i, s.seen.update(req.all_ids), o.repetition_penalty))
+        if s.counts is not None:
+            plan.occurrences.append((i, *s.counts.update(req.all_ids, req.num_prompt), o.presence_penalty,
+                                     o.frequency_penalty))
 
     def _emit(self, sampled: list[GenerationRequest], plan: RowPlan, tokens: list[Drawn | Exception]) -> None:
         appended = {True: 0, False: 0}
@@ -654,7 +670,12 @@ class Engine:
         """
         room = req.options.max_tokens - req.num_output
         ids = ids[:room]
-        piece = self._push_text(req, ids)  # first: tokens it cannot decode must not reach all_ids
+        # A sampled stop token (once min_tokens allows it, as EOS) ends the output; its text is cut unless asked for.
+        stops = req.options.stop_token_ids
+        stop_token = bool(sampled_token and stops and ids and ids[-1] in stops
+                          and req.num_output >= req.options.min_tokens)
+        # First: tokens it cannot decode must not reach all_ids.
+        piece = self._push_text(req, ids[:-1] if stop_token and not req.options.include_stop_str_in_output else ids)
         token_logprobs = self._token_logprobs(ids, logprobs) if req.options.wants_logprobs else None
         req.all_ids.extend(ids)
         masked = req.grammar_active  # this step's tokens were under the grammar's mask (not thinking)
@@ -670,7 +691,8 @@ class Engine:
             req.first_token_at = time.monotonic()
             self.metrics.by_kind[req.constrained].ttft.observe(req.first_token_at - req.arrival)
         finish = None
-        if sampled_token and ids[-1] in self.tok.eos_ids and not (req.options.ignore_eos and not masked):
+        if stop_token or (sampled_token and ids[-1] in self.tok.eos_ids
+                          and not (req.options.ignore_eos and not masked)):
             finish = FinishReason.STOP
         if piece.stopped:
             finish = FinishReason.STOP_STRING

@@ -37,8 +37,9 @@ class ResponseText:
     """One response's text channels: push each step's token ids, send each returned piece."""
 
     def __init__(self, token_bytes: Sequence[bytes], skip_token_ids: Collection[int], stop: Sequence[str], *,
-                 think_end_id: int | None = None, tool_parser: ToolCallReader | None = None):
-        self._answer = TextStream(token_bytes, skip_token_ids, stop)
+                 think_end_id: int | None = None, tool_parser: ToolCallReader | None = None,
+                 include_stop: bool = False):
+        self._answer = TextStream(token_bytes, skip_token_ids, stop, include_stop=include_stop)
         # None once thinking is over (or when the request never thinks).
         self._thinking = TextStream(token_bytes, skip_token_ids, ()) if think_end_id is not None else None
         self._think_end = think_end_id

@@ -5,17 +5,20 @@ defaults applied, bad values rejected with `InvalidRequestError`). Each request
 owns a `RowSampler`: its options and its own `torch.Generator`. `sample`
 turns a step's logits (grammar masks already applied as -inf) into one token
 per row: greedy rows by one batched argmax, the others by temperature, top_k,
-top_p and an inverse-CDF draw that takes exactly one uniform from the row's
+top_p, min_p and an inverse-CDF draw that takes exactly one uniform from the row's
 generator. A row's draw therefore depends only on its own logits and its own
 history, never on which or how many other rows share the step.
 
 Rows that ask for logprobs also get the chosen token's log probability and the
 most likely alternatives from the very distribution the token was drawn from
 (`sample_with_logprobs`); rows that do not ask pay nothing for it. The
-repetition penalty (`apply_repetition_penalty`) and the EOS ban of
-`min_tokens` (`ban_unless_only`) rewrite logits in place before the draw; the
-distinct ids a penalty reads are kept per request, grown by each step's new
-tokens (`SeenTokens`).
+logit bias (`add_at`), the repetition penalty (`apply_repetition_penalty`),
+the presence and frequency penalties (`apply_occurrence_penalties`) and the
+EOS ban of `min_tokens` (`ban_unless_only`) rewrite logits in place before the
+draw, in vLLM's order (bias, repetition, presence/frequency), all before the
+grammar's mask; the ids a penalty reads are kept per request, grown by each
+step's new tokens (`SeenTokens`, `OutputCounts`). A request that asks for none
+of them has `RowSampler.adjusts` False and costs nothing for them.
 
 On the CPU the inverse-CDF draw is far cheaper than torch.multinomial or an exponential race, and numpy's
 argmax and sort are several times faster than torch's, hence numpy there (docs/benchmarks.md, "Hand-timed
@@ -29,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +44,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 # As OpenAI's API (and vLLM's and SGLang's servers by default): alternatives cost a sort per token.
 MAX_TOP_LOGPROBS = 20
+# As OpenAI's API.
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_OCCURRENCE_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2], as OpenAI's and vLLM's
+MAX_STOP_TOKEN_IDS = 64
 _UINT64_MAX = 2**64 - 1
 # A little under float32's max (3.4e38): logits divided by the temperature must stay below it.
 _OVERFLOW_GUARD = 1e38
@@ -60,6 +68,12 @@ class SamplingOptions:
     min_tokens: int = 0
     repetition_penalty: float = 1.0  # 1.0 = disabled
     n: int = 1  # completions of the prompt, each its own sequence (seed + index where a seed is given)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
+    min_p: float = 0.0  # 0 = disabled
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop_str_in_output: bool = False
 
     @classmethod
     def validated(
@@ -80,6 +94,12 @@ class SamplingOptions:
         repetition_penalty: float = 0.0,
         n: int = 0,
         max_n: int = 1,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_p: float = 0.0,
+        stop_token_ids: Sequence[int] = (),
+        include_stop_str_in_output: bool = False,
     ) -> SamplingOptions:
         """Applies the proto's defaults (0 = server default / disabled) and rejects out-of-range values."""
         if not 0 <= max_tokens <= max_max_tokens:
@@ -114,6 +134,20 @@ class SamplingOptions:
                 f"repetition_penalty must be a finite number > 0 (0 or 1 = disabled), got {repetition_penalty}")
         if not 0 <= n <= max_n:
             raise InvalidRequestError(f"n must be in [0, {max_n}] (0 = 1; the server's --max-n is {max_n}), got {n}")
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            if not -MAX_OCCURRENCE_PENALTY <= value <= MAX_OCCURRENCE_PENALTY:  # also rejects NaN
+                raise InvalidRequestError(
+                    f"{name} must be in [-{MAX_OCCURRENCE_PENALTY:g}, {MAX_OCCURRENCE_PENALTY:g}] (0 = disabled), "
+                    f"got {value}")
+        bias = _logit_bias(logit_bias or {})
+        if not 0.0 <= min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1] (0 = disabled), got {min_p}")
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
+        for i, t in enumerate(stop_token_ids):
+            if t < 0:
+                raise InvalidRequestError(f"stop_token_ids[{i}]: {t} is not a token id")
         return cls(
             max_tokens=max_tokens,
             temperature=float(temperature),
@@ -127,6 +161,12 @@ class SamplingOptions:
             min_tokens=min_tokens,
             repetition_penalty=1.0 if repetition_penalty == 0.0 else float(repetition_penalty),
             n=n or 1,
+            presence_penalty=float(presence_penalty),
+            frequency_penalty=float(frequency_penalty),
+            logit_bias=bias,
+            min_p=float(min_p),
+            stop_token_ids=frozenset(stop_token_ids),
+            include_stop_str_in_output=bool(include_stop_str_in_output),
         )
 
     def for_completion(self, index: int) -> SamplingOptions:
@@ -143,6 +183,28 @@ class SamplingOptions:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Rejects a logit_bias or stop_token_ids id that is no token of a vocabulary of `vocab_size` ids."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = sorted(t for t in ids if not 0 <= t < vocab_size)
+            if bad:
+                raise InvalidRequestError(
+                    f"{name}: {bad[0]} is not a token id of this model (0 to {vocab_size - 1})"
+                    + (f", and {len(bad) - 1} more" if len(bad) > 1 else ""))
+
+
+def _logit_bias(bias: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias allows at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+    for t, v in bias.items():
+        if t < 0:
+            raise InvalidRequestError(f"logit_bias: {t} is not a token id")
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:  # also rejects NaN
+            raise InvalidRequestError(
+                f"logit_bias[{t}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v}")
+    # A zero bias changes nothing: leaving it out keeps a request of zeros on the path that costs nothing.
+    return tuple(sorted((int(t), float(v)) for t, v in bias.items() if v != 0.0))
 
 
 class SeenTokens:
@@ -184,10 +246,49 @@ class SeenTokens:
         return self._ids[:self._count]
 
 
-class RowSampler:
-    """One request's sampling state: its options, a generator nobody else draws from, the ids it has seen."""
+class OutputCounts:
+    """How often each id occurs in a request's output (not its prompt), for presence and frequency penalties.
 
-    __slots__ = ("options", "generator", "seen")
+    Grown as `SeenTokens` is, by what was appended since the last call.
+    """
+
+    __slots__ = ("_at", "_ids", "_counts", "_n", "_absorbed")
+
+    def __init__(self) -> None:
+        self._at: dict[int, int] = {}  # id -> its position in _ids / _counts
+        self._ids = np.empty(64, dtype=np.int64)
+        self._counts = np.empty(64, dtype=np.float32)
+        self._n = 0
+        self._absorbed = 0  # how many of the request's tokens (prompt included) are counted
+
+    def update(self, all_ids: Sequence[int], num_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct ids of all_ids[num_prompt:] and how often each occurs there (float32)."""
+        if len(all_ids) < self._absorbed:
+            # The history got shorter (a rollback): start over rather than guess what left.
+            self._at.clear()
+            self._n = self._absorbed = 0
+        start = max(self._absorbed, num_prompt)
+        self._absorbed = max(len(all_ids), num_prompt)
+        for t in all_ids[start:]:
+            at = self._at.get(t)
+            if at is not None:
+                self._counts[at] += 1
+                continue
+            if self._n == self._ids.shape[0]:
+                self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+                self._counts = np.concatenate([self._counts, np.empty_like(self._counts)])
+            self._at[t] = self._n
+            self._ids[self._n] = t
+            self._counts[self._n] = 1
+            self._n += 1
+        return self._ids[:self._n], self._counts[:self._n]
+
+
+class RowSampler:
+    """One request's sampling state: its options, a generator nobody else draws from, the ids it has seen
+    (repetition penalty), its output's counts (presence and frequency penalties) and its logit bias."""
+
+    __slots__ = ("options", "generator", "seen", "counts", "bias", "adjusts")
 
     def __init__(self, options: SamplingOptions, device: torch.device | str = "cpu"):
         self.options = options
@@ -196,6 +297,16 @@ class RowSampler:
         self.generator.manual_seed(seed)
         # Only a penalised request pays for tracking its history.
         self.seen = SeenTokens() if options.repetition_penalty != 1.0 else None
+        occurrence = options.presence_penalty != 0.0 or options.frequency_penalty != 0.0
+        self.counts = OutputCounts() if occurrence else None
+        # (ids, biases) as tensors where the logits are, made once.
+        self.bias = None
+        if options.logit_bias:
+            ids, values = zip(*options.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
+                         torch.tensor(values, dtype=torch.float32, device=device))
+        # Whether the logits need rewriting before the mask: the one check a step makes for every row.
+        self.adjusts = self.seen is not None or self.counts is not None or self.bias is not None
 
     @property
     def argmax_only(self) -> bool:
@@ -227,6 +338,25 @@ class TokenLogprob:
     logprob: float
     forced: bool = False
     top: tuple[TopLogprob, ...] = ()
+
+
+@torch.inference_mode()
+def add_at(logits: torch.Tensor, row: int, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """logits[row, ids] += values, in place (ids distinct; -inf stays -inf, so a masked or uncomputed
+    column stays undrawable whatever the bias)."""
+    logits[row].index_add_(0, ids, values.to(logits.dtype))
+
+
+@torch.inference_mode()
+def apply_occurrence_penalties(logits: torch.Tensor, row: int, ids: np.ndarray, counts: np.ndarray,
+                               presence: float, frequency: float) -> None:
+    """OpenAI's presence and frequency penalties on one row, in place, as vLLM computes them:
+    logits[t] -= frequency * count[t] + presence * (count[t] > 0) for the output's distinct ids `ids`."""
+    if not ids.size:
+        return
+    x = logits[row]
+    amount = counts * np.float32(frequency) + np.float32(presence)
+    x.index_add_(0, torch.from_numpy(ids).to(x.device), torch.from_numpy(-amount).to(x.device, x.dtype))
 
 
 @torch.inference_mode()
@@ -373,6 +503,11 @@ def _sample_row(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | No
     probs = _softmax(row, opts.temperature)
     if opts.top_p < 1.0:
         probs = _nucleus(probs, opts.top_p, is_sorted=index is not None)
+    if opts.min_p > 0.0:
+        # After top_p, as transformers orders its warpers (vLLM applies min_p before top_k and top_p: the two
+        # differ only with top_p set too). The ratio to the likeliest token does not depend on the
+        # normalisation, so the nucleus' unnormalised mass serves.
+        probs = probs.masked_fill(probs < opts.min_p * probs.max(), 0.0)
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
     total = cdf[-1]
     u = torch.rand((), generator=r.generator, dtype=torch.float64, device=cdf.device)

@@ -3,8 +3,9 @@
 The engine decides what each row needs (`RowPlan`: which rows are sampled,
 under which grammar mask, with which bans and penalties); `StepSampler`
 applies it (on the device thread; on the CPU, on the event loop) in the order
-the distribution is defined (repetition penalty, grammar mask, the padded LM
-head, EOS bans, then the draw with logprobs where asked) and checks every
+the distribution is defined (logit bias, repetition penalty, presence and
+frequency penalties, grammar mask, the padded LM head, EOS bans, then the draw
+with logprobs where asked) and checks every
 drawn token. Whatever goes wrong for one row fails that row alone: it comes
 back as its exception.
 """
@@ -19,8 +20,9 @@ import numpy as np
 import torch
 
 from inference_svc.engine.masking import apply_masks
-from inference_svc.engine.sampling import (RowLogprobs, RowSampler, apply_repetition_penalty, ban_unless_only,
-                                    finite_at, numpy_fast, sample_with_logprobs)
+from inference_svc.engine.sampling import (RowLogprobs, RowSampler, add_at, apply_occurrence_penalties,
+                                           apply_repetition_penalty, ban_unless_only, finite_at, numpy_fast,
+                                           sample_with_logprobs)
 from shared import errors
 from shared.codec import SparseMask
 
@@ -41,6 +43,11 @@ class RowPlan:
     # From the sampled requests' options (`_sample`): (row, distinct ids of prompt + output, penalty) ...
     penalties: list[tuple[int, np.ndarray, float]] = field(default_factory=list)
     before_min_tokens: list[int] = field(default_factory=list)  # ... and rows whose EOS min_tokens bans
+    # ... (row, token ids, biases) of logit_bias; (row, the output's distinct ids, their counts, presence,
+    # frequency); rows of before_min_tokens with stop_token_ids: EOS and them, the ids min_tokens bans.
+    bias: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    occurrences: list[tuple[int, np.ndarray, np.ndarray, float, float]] = field(default_factory=list)
+    min_tokens_bans: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 class StepSampler:
@@ -61,11 +68,8 @@ class StepSampler:
         (the others are unaffected)."""
         vocab = self.vocab_size
         failed: dict[int, Exception] = {}
-        for i, ids, penalty in plan.penalties:
-            try:
-                apply_repetition_penalty(logits, i, ids, penalty)
-            except Exception as e:  # noqa: BLE001 - this row's history (an id the logits lack?): it fails alone
-                failed[i] = e
+        if plan.bias or plan.penalties or plan.occurrences:
+            self._adjust(logits, plan, failed)
         restrict = {}
         checked = self._greedy_checks(logits, plan, samplers) if plan.masked else {}
         if plan.masked:
@@ -81,7 +85,8 @@ class StepSampler:
             # No EOS before min_tokens, unless EOS is all the row allows: a grammar that has completed
             # allows nothing else, and the constraint wins (the proto: it "still ends the output where its
             # grammar completes"); any other token would break the constraint, and none would fail the request.
-            allowed = ban_unless_only(logits, i, self._eos_np, restrict.get(i))
+            banned = plan.min_tokens_bans.get(i, self._eos_np) if plan.min_tokens_bans else self._eos_np
+            allowed = ban_unless_only(logits, i, banned, restrict.get(i))
             if allowed is not None:
                 restrict[i] = allowed
         rows = plan.sample
@@ -115,6 +120,25 @@ class StepSampler:
                 if not ok:
                     out[k] = no_token_error()
         return [token if isinstance(token, Exception) else (token, lp) for token, lp in zip(out, logprobs)]
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, plan: RowPlan, failed: dict[int, Exception]) -> None:
+        """The rows' logit bias, then repetition, presence and frequency penalties (vLLM's order), in place."""
+        for i, ids, values in plan.bias:
+            try:
+                add_at(logits, i, ids, values)
+            except Exception as e:  # noqa: BLE001 - this row's: it fails alone
+                failed[i] = e
+        for i, ids, penalty in plan.penalties:
+            try:
+                apply_repetition_penalty(logits, i, ids, penalty)
+            except Exception as e:  # noqa: BLE001 - this row's history (an id the logits lack?): it fails alone
+                failed[i] = e
+        for i, ids, counts, presence, frequency in plan.occurrences:
+            try:
+                apply_occurrence_penalties(logits, i, ids, counts, presence, frequency)
+            except Exception as e:  # noqa: BLE001 - as above
+                failed[i] = e
 
     @staticmethod
     def _greedy_checks(logits: torch.Tensor, plan: RowPlan, samplers: list[RowSampler]) -> dict[int, SparseMask | None]:

@@ -5,7 +5,9 @@ split over two or three tokens), so decoding token by token would emit U+FFFD
 and then the character. `TextStream` appends each token's raw bytes to an
 incremental UTF-8 decoder, which holds an incomplete trailing character until
 its last byte arrives. With stop strings it also holds back the tail that could
-still grow into one, so no delta ever contains part of a stop string.
+still grow into one, so no delta ever contains part of a stop string (unless
+`include_stop`, vLLM's include_stop_str_in_output: then the matched one ends
+the text).
 
 For this tokenizer the concatenated deltas equal `tokenizer.decode(ids,
 skip_special_tokens=True)` (cut before the first stop string when one matches).
@@ -22,14 +24,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Delta:
     text: str
-    stopped: bool  # a stop string matched; `text` ends just before it and the stream is done
+    stopped: bool  # a stop string matched; `text` ends just before it (include_stop: with it); the stream is done
 
 
 class TextStream:
     """One response's text: push the sampled token ids, send each returned delta."""
 
-    def __init__(self, token_bytes: Sequence[bytes], skip_token_ids: Collection[int], stop: Sequence[str]):
+    def __init__(self, token_bytes: Sequence[bytes], skip_token_ids: Collection[int], stop: Sequence[str], *,
+                 include_stop: bool = False):
         self._token_bytes = token_bytes
+        self._include_stop = include_stop
         self._skip = skip_token_ids
         self._stop = tuple(stop)
         # Every proper prefix of a stop string: the tails worth holding back.
@@ -78,18 +82,19 @@ class TextStream:
             return self._out(new, stopped=False)
         buf = self._held + new
         floor = self._floor if match_stop else len(buf)
-        cut = self._first_match(buf, floor)
+        cut, end = self._first_match(buf, floor)
         if cut >= 0:
             self._held = ""
             self._stopped = True
-            return self._out(buf[:cut], stopped=True)
+            return self._out(buf[:end if self._include_stop else cut], stopped=True)
         keep = 0 if final else self._held_back(buf)
         self._held = buf[len(buf) - keep :]
         self._floor = max(0, floor - (len(buf) - keep))
         return self._out(buf[: len(buf) - keep], stopped=False)
 
-    def _first_match(self, buf: str, floor: int) -> int:
-        """Where the stop string that ends first in `buf`, past `floor`, starts (the longest on a tie), or -1.
+    def _first_match(self, buf: str, floor: int) -> tuple[int, int]:
+        """Where the stop string that ends first in `buf`, past `floor`, starts (the longest on a tie) and
+        ends, or (-1, -1).
 
         By end, not start, so that the cut does not depend on how text is split into
         pushes: with stops "abcd" and "bc", "abc" has already stopped at "bc". A match still
@@ -104,7 +109,10 @@ class TextStream:
                 i = buf.find(s, i + 1)
             if i >= 0:
                 found.append((i + len(s), i))
-        return min(found)[1] if found else -1
+        if not found:
+            return -1, -1
+        end, start = min(found)
+        return start, end
 
     def _held_back(self, buf: str) -> int:
         """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
