@@ -42,7 +42,7 @@ def test_unknown_model_is_404(openai_client):
 
 @pytest.mark.parametrize("extra, param", [
     pytest.param({"n": 0}, "n", id="n-zero"),
-    pytest.param({"presence_penalty": 0.5}, "presence_penalty", id="presence_penalty"),
+    pytest.param({"presence_penalty": 2.5}, "presence_penalty", id="presence_penalty-range"),
     pytest.param({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", id="two-constraints"),
 ])
 def test_refused_parameters_are_named(openai_client, served_model, extra, param):

@@ -89,8 +89,10 @@ response_format = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_
 common = {
     "model": st.just(MODEL), "max_tokens": counts, "temperature": st.floats(0, 2), "top_p": unit,
     "top_k": st.integers(-1, 50), "seed": st.integers(-(2**63), 2**64 - 1), "n": st.just(1), "min_tokens": counts,
-    "repetition_penalty": st.floats(0.5, 2), "presence_penalty": st.just(0), "frequency_penalty": st.just(0.0),
-    "logit_bias": st.just({}), "stop": texts | st.lists(texts, max_size=3), "stream": st.booleans(),
+    "repetition_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100, 100), max_size=4),
+    "min_p": unit, "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
+    "include_stop_str_in_output": st.booleans(), "stop": texts | st.lists(texts, max_size=3), "stream": st.booleans(),
     "ignore_eos": st.booleans(), "thinking_token_budget": counts, "structured_outputs": structured_outputs,
     "response_format": response_format,
 }
@@ -133,8 +135,8 @@ def encoded(body) -> bytes:
 
 
 NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed", "n", "temperature", "top_p",
-                 "repetition_penalty", "presence_penalty", "thinking_token_budget", "top_logprobs", "logprobs",
-                 "best_of")
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "thinking_token_budget",
+                 "top_logprobs", "logprobs", "best_of")
 
 
 def with_number(bodies):

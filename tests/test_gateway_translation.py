@@ -57,17 +57,34 @@ def test_defaults_follow_openai():
     pytest.param({"repetition_penalty": 1.3}, "repetition_penalty", pytest.approx(1.3), id="repetition_penalty"),
     pytest.param({"ignore_eos": True}, "ignore_eos", True, id="ignore_eos"),
     pytest.param({"presence_penalty": 0, "frequency_penalty": 0.0, "n": 1}, "max_tokens", 0, id="zero-penalties-n1"),
+    pytest.param({"presence_penalty": 0.5}, "presence_penalty", 0.5, id="presence_penalty"),
+    pytest.param({"frequency_penalty": -2}, "frequency_penalty", -2.0, id="frequency_penalty"),
+    # OpenAI's token ids are the object's keys, hence strings.
+    pytest.param({"logit_bias": {"42": 3, "7": -100}}, "logit_bias", {42: 3.0, 7: -100.0}, id="logit_bias"),
+    pytest.param({"min_p": 0.25}, "min_p", 0.25, id="min_p"),
+    pytest.param({"stop_token_ids": [5, 9.0]}, "stop_token_ids", [5, 9], id="stop_token_ids"),
+    pytest.param({"include_stop_str_in_output": True}, "include_stop_str_in_output", True,
+                 id="include_stop_str_in_output"),
 ])
 def test_sampling_parameters(body, field, value):
     s = chat(**body).grpc_request.sampling
-    assert (list(s.stop) if field == "stop" else getattr(s, field)) == value
+    got = getattr(s, field)
+    assert (dict(got) if field == "logit_bias" else list(got) if field in ("stop", "stop_token_ids") else got) == value
 
 
 @pytest.mark.parametrize("body, param", [
     pytest.param({"n": 0}, "n", id="n-zero"),
-    pytest.param({"presence_penalty": 0.5}, "presence_penalty", id="presence_penalty"),
-    pytest.param({"frequency_penalty": -1}, "frequency_penalty", id="frequency_penalty"),
-    pytest.param({"logit_bias": {"42": 3}}, "logit_bias", id="logit_bias"),
+    pytest.param({"presence_penalty": 2.5}, "presence_penalty", id="presence_penalty-range"),
+    pytest.param({"frequency_penalty": -2.1}, "frequency_penalty", id="frequency_penalty-range"),
+    pytest.param({"logit_bias": {"forty": 3}}, "logit_bias", id="logit_bias-key"),
+    pytest.param({"logit_bias": {"-1": 3}}, "logit_bias", id="logit_bias-negative-id"),
+    pytest.param({"logit_bias": {"42": 101}}, "logit_bias.42", id="logit_bias-range"),
+    pytest.param({"logit_bias": [1]}, "logit_bias", id="logit_bias-type"),
+    pytest.param({"min_p": 1.5}, "min_p", id="min_p-range"),
+    pytest.param({"stop_token_ids": [-1]}, "stop_token_ids", id="stop_token_ids-negative"),
+    pytest.param({"stop_token_ids": "5"}, "stop_token_ids", id="stop_token_ids-type"),
+    pytest.param({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output",
+                 id="include_stop_str_in_output-type"),
     pytest.param({"temperature": "hot"}, "temperature", id="temperature-type"),
     pytest.param({"temperature": -0.1}, "temperature", id="temperature-range"),
     pytest.param({"top_p": 1.5}, "top_p", id="top_p-range"),

@@ -4,8 +4,10 @@ Chat (`/v1/chat/completions`) and legacy completions (`/v1/completions`)
 share the sampling parameters, `response_format` and structd's extension
 field `structured_outputs` (vLLM's name and shape, plus structd's own JSON
 and jump-forward options). What structd cannot honour is refused with a 400
-naming the parameter rather than ignored: non-zero presence / frequency
-penalties, `logit_bias`, `echo`, `suffix`, `best_of` other than `n`. `n`
+naming the parameter rather than ignored: `echo`, `suffix`, `best_of` other
+than `n`. The sampling parameters (OpenAI's penalties and `logit_bias`,
+vLLM's `min_p`, `stop_token_ids`, `include_stop_str_in_output`, ...) go on
+to SamplingParams, whose ranges the inference service checks. `n`
 goes on to the inference service, which refuses more than its --max-n
 (INVALID_ARGUMENT, a 400 naming the flag). Fields this gateway
 does not know are ignored, as vLLM does (`user`, `metadata`, `store`, ...).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from gateway.body import Fields, ShapeError, loads
+from gateway.body import INT32_MAX, Fields, ShapeError, loads
 from gateway.errors import ModelNotFoundError
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 
@@ -61,14 +63,32 @@ def check_model(body: Fields, served: str) -> str:
 # --------------------------------------------------------------------------- shared parameters
 
 
-def _refuse_unsupported(body: Fields) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.number(key, 0.0):
-            raise body.fail(key, f"'{key}' is not supported (only 0); 'repetition_penalty' (> 1 discourages "
-                                 "repeated tokens, as in vLLM) is.")
+def _logit_bias(body: Fields) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (ids as JSON object keys, hence strings); the inference service checks
+    the ids against the vocabulary and the biases' range."""
     bias = body.object("logit_bias")
-    if bias is not None and bias.obj:
-        raise body.fail("logit_bias", "'logit_bias' is not supported.")
+    if bias is None:
+        return {}
+    out = {}
+    for key in bias.obj:
+        try:
+            token = int(key)
+        except ValueError:
+            raise body.fail("logit_bias", f"'logit_bias' keys must be token ids, not {key!r}.") from None
+        if not 0 <= token <= INT32_MAX:
+            raise body.fail("logit_bias", f"'logit_bias': {key} is not a token id.")
+        out[token] = bias.number(key, 0.0, minimum=-100.0, maximum=100.0)
+    return out
+
+
+def _stop_token_ids(body: Fields) -> list[int]:
+    ids = body.array("stop_token_ids") or []
+    for i, t in enumerate(ids):
+        # JSON has one number type: 3.0 is an integer (as Fields.integer reads them).
+        if (isinstance(t, bool) or not isinstance(t, (int, float)) or (isinstance(t, float) and not t.is_integer())
+                or not 0 <= t <= INT32_MAX):
+            raise body.fail("stop_token_ids", f"'stop_token_ids[{i}]' must be a token id (an integer >= 0).")
+    return [int(t) for t in ids]
 
 
 def _stop(body: Fields) -> list[str]:
@@ -83,7 +103,6 @@ def _stop(body: Fields) -> list[str]:
 
 
 def sampling(body: Fields, max_tokens: int | None) -> pb.SamplingParams:
-    _refuse_unsupported(body)
     s = pb.SamplingParams(
         max_tokens=max_tokens or 0,
         # OpenAI's default temperature is 1; the proto's 0 means greedy.
@@ -95,6 +114,12 @@ def sampling(body: Fields, max_tokens: int | None) -> pb.SamplingParams:
         repetition_penalty=body.number("repetition_penalty", 1.0, minimum=0.0),
         # The upper bound is the inference service's --max-n, which it enforces.
         n=body.integer("n", 1, minimum=1),
+        presence_penalty=body.number("presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0, minimum=-2.0, maximum=2.0),
+        logit_bias=_logit_bias(body),
+        min_p=body.number("min_p", 0.0, minimum=0.0, maximum=1.0),
+        stop_token_ids=_stop_token_ids(body),
+        include_stop_str_in_output=body.boolean("include_stop_str_in_output", False),
     )
     # vLLM's -1 (and 0) disable top_k.
     top_k = body.integer("top_k", 0, minimum=-1)
