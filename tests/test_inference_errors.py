@@ -95,16 +95,18 @@ def simulated(own_grammar):
 def test_waiting_queue_limit_is_resource_exhausted(simulated):
     engine = simulated.server.engine
     # One runs (max_num_seqs=1), two wait (max_waiting=2): the next is refused. One at a time, since
-    # a request still being tokenized counts as waiting too.
-    long = []
+    # a request still being tokenized counts as waiting too. The running one is long (the other two wait
+    # behind it until the refusal is seen); the waiting ones need not be.
+    admitted = []
     for i in range(3):
-        long.append(background_complete(simulated.target, prompt=f"p{i}", max_tokens=400, ignore_eos=True))
+        admitted.append(background_complete(simulated.target, prompt=f"p{i}", max_tokens=400 if i == 0 else 20,
+                                            ignore_eos=True))
         wait_until(lambda: simulated.run_sync(lambda: engine.num_active) == i + 1, f"request {i + 1} admitted")
     with InferenceClient(simulated.target) as client, pytest.raises(InferenceError) as err:
         client.complete("one too many", max_tokens=2)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "waiting" in err.value.message
-    for t, box in long:
+    for t, box in admitted:
         t.join(60)
         assert box["out"].finish_reason == "length", box
 
