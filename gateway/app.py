@@ -4,7 +4,9 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET
 /v1/models` (and `/v1/models/{id}`), `GET /health` (200 while the inference
 service answers SERVING, else 503) and `GET /metrics` (Prometheus), all on
 one port as in vLLM. Every failure is answered through errors.py; unknown
-paths and methods too, in the same OpenAI error shape.
+paths and methods too, in the same OpenAI error shape. With --api-key,
+every path but /health and /metrics needs a key (auth.py); with
+--allowed-origins, browsers on those origins may call (CORS).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import errors
+from gateway.auth import ApiKeyMiddleware, ApiKeys, key_identity
 from gateway.exchange import CLIENT_GONE, ClientGone, EventStream, Record, collect, read, until_disconnect
 from gateway.intake import Intake, Translate
 from gateway.metrics import GatewayMetrics
@@ -34,13 +39,29 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class GatewayApp:
-    def __init__(self, upstream: Upstream, metrics: GatewayMetrics, intake: Intake):
+    def __init__(self, upstream: Upstream, metrics: GatewayMetrics, intake: Intake, *,
+                 api_keys: ApiKeys | None = None, allowed_origins: tuple[str, ...] = ()):
+        """api_keys: the keys requests must bear (None: none needed); allowed_origins: CORS (empty: none)."""
         self.upstream = upstream
         self.metrics = metrics
         self.intake = intake
+        self.api_keys = api_keys
+        self.allowed_origins = allowed_origins
+
+    def middleware(self) -> list[Middleware]:
+        """CORS outside the key check: a browser's preflight carries no key, and a 401 still gets the CORS
+        headers that let the page read it."""
+        stack = []
+        if self.allowed_origins:
+            stack.append(Middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
+                                    allow_methods=["GET", "POST"], allow_headers=["*"],
+                                    expose_headers=[REQUEST_ID_HEADER]))
+        if self.api_keys is not None:
+            stack.append(Middleware(ApiKeyMiddleware, keys=self.api_keys))
+        return stack
 
     def build(self) -> Starlette:
-        return Starlette(routes=[
+        return Starlette(middleware=self.middleware(), routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -86,7 +107,7 @@ class GatewayApp:
             translated = await self.intake.translated(request, translate, info.model_id, request_id)
             reply = reply_type(translated, reply_id, int(time.time()))
             headers = {REQUEST_ID_HEADER: request_id}
-            call = self.upstream.generate(translated.grpc_request)
+            call = self.upstream.generate(translated.grpc_request, key_identity(request.scope))
             if translated.stream:
                 first = await until_disconnect(request.receive, read(call))
                 streaming = True

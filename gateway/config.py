@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from gateway.auth import ApiKeyFileError, key_problems, read_key_file
+from shared.client_identity import parse_allowed
 from shared.flags import FlagSet
+from shared.grpc_options import MAX_RETRIES
 from shared.tls import (ClientTls, ServerTls, add_client_flags, add_server_flags, client_tls_from_args,
                         server_tls_from_args)
 
@@ -37,6 +41,13 @@ class GatewayConfig:
     tls: ServerTls | None = None
     # How the inference service is dialled: None: plaintext; else TLS with this CA and client certificate.
     target_tls: ClientTls | None = None
+    # Keys a request must bear (Authorization: Bearer KEY); empty: no key needed. Never printed.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Origins browsers may call from (CORS); "*" for any; empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
+    # A Generate (or other call) that a replica refuses with UNAVAILABLE before it sent anything is tried again on
+    # another replica this many times (gRPC's retry policy; 0: never).
+    retries: int = 2
 
     def validate(self) -> "GatewayConfig":
         problems = []
@@ -54,6 +65,9 @@ class GatewayConfig:
             problems.append("--limit-concurrency must be at least 1")
         if self.grace_seconds < 0:
             problems.append("--grace-seconds must be >= 0")
+        if not 0 <= self.retries <= MAX_RETRIES:
+            problems.append(f"--retries must be 0..{MAX_RETRIES} (gRPC makes at most {MAX_RETRIES + 1} attempts)")
+        problems.extend(key_problems(self.api_keys))
         for tls in (self.tls, self.target_tls):
             if tls is not None:
                 problems.extend(tls.problems())
@@ -77,6 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--limit-concurrency", d.limit_concurrency, "connections and requests served at once (503 beyond)")
     f.add("--grace-seconds", d.grace_seconds, "on SIGTERM, how long requests in flight may still finish")
     f.add("--log-level", d.log_level)
+    f.add_repeated("--api-key", "a key clients must send as `Authorization: Bearer KEY` (repeat the flag for "
+                   "several; the environment variable takes them comma-separated); without any key (here or in "
+                   "--api-key-file) the gateway needs none. /health and /metrics stay open", metavar="KEY")
+    f.add("--api-key-file", None, "a file of keys, one a line (blank lines and # comments skipped), added to "
+          "--api-key's", kind=Path)
+    f.add("--allowed-origins", "", "origins browsers may call from (CORS), comma-separated, or * for any; empty: "
+          "no CORS headers")
+    f.add("--retries", d.retries, "times a call refused with UNAVAILABLE before any answer (a draining or "
+          "unreachable replica) is tried again, on another replica where the target has several (0: never)")
     add_server_flags(f, what="HTTPS")
     add_client_flags(f, "--target-tls", "the inference service")
 
@@ -94,4 +117,18 @@ def from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         tls=server_tls_from_args(args),
         target_tls=client_tls_from_args(args, "--target-tls"),
+        api_keys=api_keys_from_args(args),
+        allowed_origins=parse_allowed(args.allowed_origins),
+        retries=args.retries,
     ).validate()
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key's keys (or the environment's), then --api-key-file's, each once."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            keys += read_key_file(args.api_key_file)
+        except ApiKeyFileError as e:
+            raise SystemExit(f"invalid gateway configuration: {e}") from None
+    return tuple(dict.fromkeys(keys))

@@ -21,6 +21,7 @@ import logging
 import uvicorn
 
 from gateway.app import GatewayApp
+from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.intake import Intake
 from gateway.metrics import GatewayMetrics
@@ -54,9 +55,11 @@ class GatewayServer:
 
     async def start(self) -> None:
         c = self.config
-        self.upstream = Upstream(c.target, c.model_info_ttl_seconds, c.target_tls)
+        self.upstream = Upstream(c.target, c.model_info_ttl_seconds, c.target_tls, retries=c.retries,
+                                 retry_buffer_bytes=c.max_body_bytes)
         self.intake = Intake(c.max_body_bytes, c.max_body_bytes_in_flight)
-        app = GatewayApp(self.upstream, self.metrics, self.intake).build()
+        app = GatewayApp(self.upstream, self.metrics, self.intake, api_keys=ApiKeys(c.api_keys) if c.api_keys else None,
+                         allowed_origins=c.allowed_origins).build()
         https, rotation = {}, None
         if c.tls is not None:
             ctx = server_ssl_context(c.tls)
@@ -75,7 +78,9 @@ class GatewayServer:
                 raise SystemExit(f"the gateway could not listen on {c.host}:{c.port}")
             await asyncio.sleep(0.01)
         self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
-        log.info("gateway on %s (inference service %s)", self.url, c.target)
+        log.info("gateway on %s (inference service %s; %s; CORS %s)", self.url, c.target,
+                 f"{len(c.api_keys)} API key(s)" if c.api_keys else "no API key needed",
+                 ",".join(c.allowed_origins) or "off")
 
     @property
     def url(self) -> str:

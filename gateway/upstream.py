@@ -9,6 +9,14 @@ one refresh runs in the background (a replica that does not answer costs
 that refresh its deadline, not every request), and only a gateway that has
 never had an answer waits for one. Readiness is the inference service's own
 gRPC health.
+A call a replica refuses with UNAVAILABLE before it answered anything (it
+is draining, or it cannot be reached) is tried again, `--retries` times, by
+gRPC's retry policy: round_robin sends the next attempt to the next replica.
+A stream that has sent a response is never retried (gRPC commits a call
+once anything of the answer arrived), so no client sees text twice.
+Each Generate names the API key's identity as its end client
+(`x-structd-end-client`), which the inference service believes from a
+caller with a client certificate (--target-tls-*) only.
 With TLS, a rotated client certificate (see `renew_if_rotated`) is presented
 by a new channel for new requests, while those in flight finish on the old.
 """
@@ -16,7 +24,6 @@ by a new channel for new requests, while those in flight finish on the old.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -24,13 +31,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.gen.inference.v1 import inference_service_pb2 as pb
+from shared.client_identity import END_CLIENT_METADATA
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.grpc_options import CHANNEL_OPTIONS
+from shared.grpc_options import CHANNEL_OPTIONS, service_config
 from shared.tls import CertificateFiles, ClientTls, aio_channel
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
-LOAD_BALANCING = (("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),)
 # A health check or model-info call that takes longer than this means the upstream is not fit to serve.
 PROBE_TIMEOUT_SECONDS = 2.0
 # After a client certificate rotation, how long requests still on the old channel may go on before it closes.
@@ -40,10 +47,17 @@ RETIRED_CHANNEL_GRACE_SECONDS = 600.0
 class Upstream:
     """Build it inside the running event loop (grpc.aio objects bind to it)."""
 
-    def __init__(self, target: str, model_info_ttl_seconds: float, tls: ClientTls | None = None):
-        """tls: dial over TLS (mutual with a client certificate); None: plaintext."""
+    def __init__(self, target: str, model_info_ttl_seconds: float, tls: ClientTls | None = None, *,
+                 retries: int = 0, retry_buffer_bytes: int = 0):
+        """tls: dial over TLS (mutual with a client certificate); None: plaintext. retries: attempts after the
+        first of a call refused with UNAVAILABLE; retry_buffer_bytes: the largest request that can be retried
+        (gRPC keeps a call's request to send it again; a larger one is sent once; 0: gRPC's default)."""
         self.target = target
         self.tls = tls
+        self._options = CHANNEL_OPTIONS + (
+            ("grpc.service_config", service_config(SERVICE_NAME, retries=retries, round_robin=True)),)
+        if retry_buffer_bytes:
+            self._options += (("grpc.per_rpc_retry_buffer_size", retry_buffer_bytes),)
         self._tls_files = CertificateFiles(tls) if tls is not None else None
         self._connect()
         self._retiring: set[asyncio.Task] = set()
@@ -53,7 +67,7 @@ class Upstream:
         self._refresh: asyncio.Task | None = None
 
     def _connect(self) -> None:
-        self.channel = aio_channel(self.target, self.tls, CHANNEL_OPTIONS + LOAD_BALANCING)
+        self.channel = aio_channel(self.target, self.tls, self._options)
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -70,8 +84,9 @@ class Upstream:
         self._tls_files.loaded()
         return True
 
-    def generate(self, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
-        return self.stub.Generate(request)
+    def generate(self, request: pb.GenerateRequest, end_client: str = "") -> grpc.aio.UnaryStreamCall:
+        """end_client: the API key's identity ("": none, the gateway itself is the caller)."""
+        return self.stub.Generate(request, metadata=_end_client(end_client))
 
     async def model_info(self) -> pb.GetModelInfoResponse:
         """The served model's info: the cached answer, refreshed in the background once older than
@@ -109,3 +124,7 @@ class Upstream:
         for task in self._retiring:
             task.cancel()
         await self.channel.close()
+
+
+def _end_client(identity: str) -> tuple[tuple[str, str], ...] | None:
+    return ((END_CLIENT_METADATA, identity),) if identity else None

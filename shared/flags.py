@@ -38,6 +38,14 @@ _KINDS: dict[type, tuple[Callable[[str], Any], str]] = {
     int: (int, "int"), float: (float, "float"), str: (str, "str"), Path: (Path, "path")}
 
 
+class _Repeated(argparse.Action):
+    """A repeatable flag whose values, once any is given, replace the default (the environment's list)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (() if current is self.default else tuple(current)) + (values,))
+
+
 class FlagSet:
     def __init__(self, parser: argparse.ArgumentParser, env: Mapping[str, str], prefix: str):
         self.parser = parser
@@ -57,3 +65,11 @@ class FlagSet:
             default.variable = self.variable(flag)
         action = self.parser.add_argument(flag, type=_converter(convert, name), default=default, help=help)
         action.env_variable = self.variable(flag)  # docs/cli.md names it (structd/cli_reference.py)
+
+    def add_repeated(self, flag: str, help: str | None = None, *, metavar: str | None = None) -> None:
+        """A string flag that may be given several times (a tuple; empty when never given); its environment
+        variable holds the values comma-separated, and flags on the command line replace them."""
+        raw = self.env.get(self.variable(flag))
+        default = tuple(v.strip() for v in raw.split(",") if v.strip()) if raw is not None else ()
+        action = self.parser.add_argument(flag, action=_Repeated, default=default, help=help, metavar=metavar)
+        action.env_variable = self.variable(flag)

@@ -1,4 +1,6 @@
-"""gRPC channel and server options shared by both services."""
+"""gRPC channel and server options shared by both services, and the service config of a client's channel."""
+
+import json
 
 # The tokenizer handshake carries ~1 MB compressed; a 128-row step of dense
 # masks is ~2 MB. 64 MiB leaves room for large vocabularies and batches.
@@ -23,3 +25,34 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 1),
 )
+
+# gRPC makes at most five attempts of a call, whatever a retry policy asks; retries are the attempts after the first.
+MAX_RETRIES = 4
+# Backoff between attempts: a replica that is draining is not back within it, the next one picked is what helps.
+RETRY_INITIAL_BACKOFF_SECONDS = 0.05
+RETRY_MAX_BACKOFF_SECONDS = 1.0
+
+
+def service_config(service: str, *, retries: int = 0, round_robin: bool = False) -> str:
+    """A channel's service config (the `grpc.service_config` option) for calls to `service` ("pkg.Service").
+
+    retries > 0: a call answered UNAVAILABLE is tried again, up to `retries` more times, with backoff. gRPC
+    retries only a call that has not been committed, and a call is committed once the client has received
+    anything from the server (its headers or a message): a stream that has already sent a response is never
+    sent again, so no client sees part of an answer twice; a refusal before any response (a draining replica,
+    a connection that failed) is what gets retried. round_robin: spread calls over every address the target
+    resolves to, so a retry goes to the next replica rather than back to the one that refused.
+    """
+    config: dict = {}
+    if round_robin:
+        config["loadBalancingConfig"] = [{"round_robin": {}}]
+    if retries:
+        if not 0 < retries <= MAX_RETRIES:
+            raise ValueError(f"retries must be 0..{MAX_RETRIES} (gRPC makes at most {MAX_RETRIES + 1} attempts)")
+        config["methodConfig"] = [{
+            "name": [{"service": service}],
+            "retryPolicy": {"maxAttempts": retries + 1, "initialBackoff": f"{RETRY_INITIAL_BACKOFF_SECONDS}s",
+                            "maxBackoff": f"{RETRY_MAX_BACKOFF_SECONDS}s", "backoffMultiplier": 2,
+                            "retryableStatusCodes": ["UNAVAILABLE"]},
+        }]
+    return json.dumps(config)

@@ -13,6 +13,11 @@ the prompt once): `complete_all(prompt, n=4, temperature=1)` returns the
 four `Completion`s in index order; streamed, their chunks interleave, each
 naming its completion in `Chunk.index`. `complete()` is for one completion.
 
+Several replicas: `InferenceClient("ipv4:10.0.0.1:50051,10.0.0.2:50051",
+retries=2)` (or a dns:/// name) spreads calls round robin, and a call
+refused UNAVAILABLE before any output (a draining replica) is tried again on
+the next, up to twice; a stream that has sent output is never retried.
+
 Over TLS: `InferenceClient(target, tls_ca_file="ca.pem")`, plus
 `tls_cert_file=` / `tls_key_file=` where the server requires a client
 certificate (mutual TLS); or `credentials=` any grpc.ChannelCredentials.
@@ -40,7 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-from shared.grpc_options import CHANNEL_OPTIONS
+from shared.grpc_options import CHANNEL_OPTIONS, service_config
 from shared.tls import ClientTls, channel_credentials, client_tls
 
 # Longest single health check while polling in wait_ready: a hung server must
@@ -48,6 +53,7 @@ from shared.tls import ClientTls, channel_credentials, client_tls
 _HEALTH_POLL_TIMEOUT = 1.0
 _HEALTH_POLL_INTERVAL = 0.1
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 _FINISH_PREFIX = "FINISH_REASON_"
 # "stop", "length", "stop_string", "cancelled", "error"; UNSPECIFIED (0) marks
 # a response that is not the last one.
@@ -452,17 +458,27 @@ class InferenceClient:
 
     def __init__(self, target: str, channel: grpc.Channel | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, tls_ca_file: PathLike | None = None,
-                 tls_cert_file: PathLike | None = None, tls_key_file: PathLike | None = None):
+                 tls_cert_file: PathLike | None = None, tls_key_file: PathLike | None = None, retries: int = 0):
         self.target = target
         creds = _credentials(_client_tls(tls_ca_file, tls_cert_file, tls_key_file), credentials)
-        self.channel = channel or (grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
-                                   else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        options = channel_options(retries)
+        self.channel = channel or (grpc.secure_channel(target, creds, options=options) if creds
+                                   else grpc.insecure_channel(target, options=options))
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None,
                  **options: Unpack[RequestOptions]) -> Generator[Chunk, None, None]:
         """Streams the completion. Arguments are checked here; the RPC starts
         on the first next(). timeout bounds the whole stream (seconds)."""
+def channel_options(retries: int) -> tuple:
+    """The channel's options; retries > 0 adds gRPC's retry policy (shared.grpc_options.service_config: a call
+    refused UNAVAILABLE before any response is tried again, round robin over the target's addresses)."""
+    if not retries:
+        return CHANNEL_OPTIONS
+    config = service_config(SERVICE_NAME, retries=retries, round_robin=True)
+    return CHANNEL_OPTIONS + (("grpc.service_config", config),)
+
+
         return self._stream(build_request(prompt, **options), timeout)
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None,
@@ -517,11 +533,12 @@ class AsyncInferenceClient:
 
     def __init__(self, target: str, channel: grpc.aio.Channel | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, tls_ca_file: PathLike | None = None,
-                 tls_cert_file: PathLike | None = None, tls_key_file: PathLike | None = None):
+                 tls_cert_file: PathLike | None = None, tls_key_file: PathLike | None = None, retries: int = 0):
         self.target = target
         creds = _credentials(_client_tls(tls_ca_file, tls_cert_file, tls_key_file), credentials)
-        self.channel = channel or (grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS) if creds
-                                   else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+        options = channel_options(retries)
+        self.channel = channel or (grpc.aio.secure_channel(target, creds, options=options) if creds
+                                   else grpc.aio.insecure_channel(target, options=options))
         self.stub = pb_grpc.InferenceServiceStub(self.channel)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None,

@@ -38,6 +38,7 @@ import sys
 from typing import Any, Callable
 
 from shared.flags import FlagSet
+from shared.grpc_options import MAX_RETRIES
 from shared.inference_client import (Completion, InferenceClient, InferenceError, SchemaViolation, SchemaWarning,
                                      TokenLogprob)
 from shared.tls import add_client_flags, client_tls_from_args
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
     kind.add_argument("--json-object", action="store_true", help="any JSON object")
     kind.add_argument("--structural-tag", metavar="FILE", help="xgrammar structural tag JSON file (- = stdin)")
     parser.add_argument("--max-tokens", type=_int_in(0, _INT32_MAX), default=0, metavar="N",
+    parser.add_argument("--retries", type=_int_in(0, MAX_RETRIES), default=0, metavar="N",
+                        help="try a request refused with UNAVAILABLE before any output (a draining or unreachable "
+                             f"replica) again, up to N times (0 to {MAX_RETRIES}), on the target's next address")
                         help="0 = server default")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 or 1 = disabled")
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         with InferenceClient(args.target, tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,
-                             tls_key_file=args.tls_key_file) as client:
+                             tls_key_file=args.tls_key_file, retries=args.retries) as client:
             if args.n > 1:
                 finish_reason, check = _print_all(client, args.prompt, options, args.json_output)
             elif args.json_output:
