@@ -35,7 +35,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncGenerator, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -209,6 +209,12 @@ class RequestOptions(TypedDict, total=False):
     top_logprobs: int
     min_tokens: int
     repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float] | None
+    min_p: float
+    stop_token_ids: Sequence[int]
+    include_stop_str_in_output: bool
     json_options: dict[str, Any] | None
     tools: Sequence[dict[str, Any]]
     tool_choice: str | None
@@ -246,6 +252,12 @@ def build_request(prompt: Prompt, *,
                   top_logprobs: int = 0,
                   min_tokens: int = 0,
                   repetition_penalty: float = 0.0,
+                  presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0,
+                  logit_bias: Mapping[int, float] | None = None,
+                  min_p: float = 0.0,
+                  stop_token_ids: Sequence[int] = (),
+                  include_stop_str_in_output: bool = False,
                   json_options: dict[str, Any] | None = None,
                   tools: Sequence[dict[str, Any]] = (),
                   tool_choice: str | None = None,
@@ -260,8 +272,12 @@ def build_request(prompt: Prompt, *,
     structural_tag) may be given; none means unconstrained generation, and then
     disable_jump_forward has nothing to apply to and is ignored. dict schemas
     and structural tags are sent as JSON text. Zero sampling values mean the
-    server default / disabled; seed None means a random seed, seed 0 is a seed.
-    top_logprobs (0 to 20 alternatives per token) implies logprobs.
+    server default / disabled; seed None means a random seed, seed 0 is a seed,
+    a negative seed (OpenAI's and vLLM's are int64) its 64-bit two's
+    complement. top_logprobs (0 to 20 alternatives per token) implies logprobs.
+    presence_penalty / frequency_penalty (-2 to 2), logit_bias ({token id:
+    bias in [-100, 100]}, at most 300), min_p (0 to 1), stop_token_ids and
+    include_stop_str_in_output are OpenAI's and vLLM's; the server checks them.
 
     prompt is text, chat messages (OpenAI-style dicts; an assistant's
     "tool_calls" as returned in Completion.tool_calls or OpenAI's shape) or
@@ -292,12 +308,17 @@ def build_request(prompt: Prompt, *,
     if len(given) > 1:
         raise ValueError(f"at most one constraint kind may be given, got {', '.join(given)}")
 
+    if seed is not None and -(2**63) <= seed < 0:
+        seed %= 2**64  # the proto's seed is a uint64: -1 is 2**64 - 1, as the gateway maps it
     request = pb.GenerateRequest(
         request_id=request_id,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
                                    logprobs=logprobs, top_logprobs=top_logprobs, min_tokens=min_tokens,
-                                   repetition_penalty=repetition_penalty),
+                                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                   frequency_penalty=frequency_penalty, logit_bias=dict(logit_bias or {}),
+                                   min_p=min_p, stop_token_ids=stop_token_ids,
+                                   include_stop_str_in_output=include_stop_str_in_output),
     )
     if n != 1:  # 1 is the proto's default (0): a request for one completion is what it was before n existed
         request.sampling.n = n

@@ -67,6 +67,16 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 42=-100), got {text!r}") from None
+
+
 _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 # The server's bound on alternatives per token (inference_svc.engine.sampling.MAX_TOP_LOGPROBS).
@@ -93,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 or 1 = disabled")
     parser.add_argument("--top-k", type=_int_in(0, _INT32_MAX), default=0, metavar="K", help="0 = disabled")
-    parser.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=None, metavar="S",
-                        help="reproducible sampling; default random")
+    parser.add_argument("--seed", type=_int_in(-(2**63), _UINT64_MAX), default=None, metavar="S",
+                        help="reproducible sampling; default random (a negative seed is its 64-bit two's "
+                             "complement, as the gateway takes OpenAI's)")
     parser.add_argument("--stop", metavar="TEXT", action="append", help="stop string; repeatable")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end of sequence")
     parser.add_argument("--min-tokens", type=_int_in(0, _INT32_MAX), default=0, metavar="N",
@@ -102,6 +113,18 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
                              "completes)")
     parser.add_argument("--repetition-penalty", type=float, default=0.0, metavar="P",
                         help="> 1 discourages tokens already in the prompt or output; 0 or 1 = disabled")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                        help="OpenAI's presence penalty, -2 to 2: subtracted from every token already in the output")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, metavar="P",
+                        help="OpenAI's frequency penalty, -2 to 2: subtracted once per occurrence in the output")
+    parser.add_argument("--logit-bias", type=_logit_bias, action="append", metavar="ID=BIAS",
+                        help="add BIAS (-100 to 100) to token ID's logit before the constraint's mask; repeatable")
+    parser.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                        help="drop tokens less likely than P times the likeliest (0 to 1; 0 = disabled)")
+    parser.add_argument("--stop-token-id", dest="stop_token_ids", type=_int_in(0, _INT32_MAX), action="append",
+                        metavar="ID", help="a token id that ends the output as end of sequence does; repeatable")
+    parser.add_argument("--include-stop-str", dest="include_stop_str_in_output", action="store_true",
+                        help="keep the matched stop string (or stop token's text) at the end of the output")
     parser.add_argument("--logprobs", type=_int_in(0, _MAX_TOP_LOGPROBS), default=None, metavar="N",
                         help="each token's log probability and its N most likely alternatives (0 to 20)")
     parser.add_argument("--n", type=_int_in(1, _INT32_MAX), default=1, metavar="K",
@@ -169,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop=args.stop or (), ignore_eos=args.ignore_eos, timeout=args.timeout_seconds,
         min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias or ()), min_p=args.min_p, stop_token_ids=args.stop_token_ids or (),
+        include_stop_str_in_output=args.include_stop_str_in_output,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, strict_schema=args.strict_schema,
         n=args.n,
     )
