@@ -469,6 +469,15 @@ def _credentials(tls: ClientTls | None, credentials: grpc.ChannelCredentials | N
     return channel_credentials(tls) if tls is not None else credentials
 
 
+def channel_options(retries: int) -> tuple:
+    """The channel's options; retries > 0 adds gRPC's retry policy (shared.grpc_options.service_config: a call
+    refused UNAVAILABLE before any response is tried again, round robin over the target's addresses)."""
+    if not retries:
+        return CHANNEL_OPTIONS
+    config = service_config(SERVICE_NAME, retries=retries, round_robin=True)
+    return CHANNEL_OPTIONS + (("grpc.service_config", config),)
+
+
 class InferenceClient:
     """Blocking client. Use as a context manager or call close().
 
@@ -491,15 +500,6 @@ class InferenceClient:
                  **options: Unpack[RequestOptions]) -> Generator[Chunk, None, None]:
         """Streams the completion. Arguments are checked here; the RPC starts
         on the first next(). timeout bounds the whole stream (seconds)."""
-def channel_options(retries: int) -> tuple:
-    """The channel's options; retries > 0 adds gRPC's retry policy (shared.grpc_options.service_config: a call
-    refused UNAVAILABLE before any response is tried again, round robin over the target's addresses)."""
-    if not retries:
-        return CHANNEL_OPTIONS
-    config = service_config(SERVICE_NAME, retries=retries, round_robin=True)
-    return CHANNEL_OPTIONS + (("grpc.service_config", config),)
-
-
         return self._stream(build_request(prompt, **options), timeout)
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None,

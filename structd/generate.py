@@ -86,6 +86,9 @@ _MAX_TOP_LOGPROBS = 20
 def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = None) -> None:
     """env: where the TLS flags' STRUCTD_GENERATE_* twins are read (None: nowhere)."""
     parser.add_argument("--target", default=DEFAULT_TARGET, help="inference service HOST:PORT (default %(default)s)")
+    parser.add_argument("--retries", type=_int_in(0, MAX_RETRIES), default=0, metavar="N",
+                        help="try a request refused with UNAVAILABLE before any output (a draining or unreachable "
+                             f"replica) again, up to N times (0 to {MAX_RETRIES}), on the target's next address")
     add_client_flags(FlagSet(parser, env or {}, ENV_PREFIX), "--tls", "the inference service")
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--json-schema", metavar="FILE", help="JSON schema file (- = stdin)")
@@ -96,9 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
     kind.add_argument("--json-object", action="store_true", help="any JSON object")
     kind.add_argument("--structural-tag", metavar="FILE", help="xgrammar structural tag JSON file (- = stdin)")
     parser.add_argument("--max-tokens", type=_int_in(0, _INT32_MAX), default=0, metavar="N",
-    parser.add_argument("--retries", type=_int_in(0, MAX_RETRIES), default=0, metavar="N",
-                        help="try a request refused with UNAVAILABLE before any output (a draining or unreachable "
-                             f"replica) again, up to N times (0 to {MAX_RETRIES}), on the target's next address")
                         help="0 = server default")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 or 1 = disabled")
