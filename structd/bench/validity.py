@@ -123,8 +123,8 @@ def walk(compiled, vocab: list[bytes], stop_ids: set[int], closing, rng: random.
         if len(ids) == 0:
             return None
         if rng.random() < closing_bias(step, max_tokens):
-            ends = [int(t) for t in ids if closing[t]]
-            if ends:
+            ends = ids[closing[ids]]  # `closing` is a boolean array over the vocabulary
+            if len(ends):
                 ids = ends
         token = int(ids[rng.randrange(len(ids))])
         if token in stop_ids:
