@@ -83,6 +83,13 @@ BENCHMARKS = [
      None),
     ("e2e", "structd.bench.e2e.run", "end to end: constrained vs unconstrained TPOT, mask wait, throughput vs peers",
      None),
+    ("prefix", "structd.bench.prefix",
+     "prefix: prefix caching on vs off on a shared 1,500-token prefix, multi-turn resends, n completions",
+     "Two inference servers, --prefix-caching on and off, taking turns: constrained requests sharing one long "
+     "instruction prefix at each concurrency (TTFT p50/p99, tokens/s, the prefix cache's hit rate from the "
+     "server's counters), conversations resending their history each turn, n completions in one call against "
+     "n calls one after another, and the e2e workload (nothing shared) for what caching costs; --vllm-python adds "
+     "vLLM's CPU engine with its prefix caching."),
     ("soak", "structd.bench.soak", "soak: hundreds of streams with churn, cancels and grammar replica restarts",
      "Soak the whole stack on the simulated runner: concurrent streams with churn, client cancels and a grammar "
      "replica restarted periodically; reports requests lost to faults, leaked sessions and KV blocks, RSS growth "

@@ -2,7 +2,8 @@
 
     <venv>/bin/python structd/bench/e2e/vllm_peer.py < payload.json > result.json
 
-The payload (written by structd/bench/e2e/run.py) names the model
+The payload (written by structd/bench/e2e/run.py, or structd/bench/prefix.py,
+which also sets enable_prefix_caching and max_model_len) names the model
 directory, the torch thread count and the phases: each a workload kind, a
 concurrency N and its requests (prompt, JSON schema or null, max_tokens); an
 unconstrained phase with match_lengths gives request j the length constrained
@@ -122,7 +123,10 @@ async def main_async(payload: dict) -> dict:
                            max_model_len=payload.get("max_model_len", 2048),
                            max_num_seqs=max(p["concurrency"] for p in payload["phases"]),
                            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
-                                                                             disable_any_whitespace=True))
+                                                                             disable_any_whitespace=True),
+                           # structd bench prefix asks for it by name (on by default in vLLM's V1 engine).
+                           **({"enable_prefix_caching": payload["enable_prefix_caching"]}
+                              if "enable_prefix_caching" in payload else {}))
     say(f"starting the engine on {payload['model']}")
     engine = AsyncLLMEngine.from_engine_args(args)
     import vllm
