@@ -1,7 +1,8 @@
 """The gateway's HTTP surface: a Starlette app with the OpenAI routes, /health and /metrics.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET
-/v1/models` (and `/v1/models/{id}`), `GET /health` (200 while the inference
+/v1/models` (and `/v1/models/{id}`), vLLM's `POST /tokenize` and `POST
+/detokenize`, `GET /health` (200 while the inference
 service answers SERVING, else 503) and `GET /metrics` (Prometheus), all on
 one port as in vLLM. Every failure is answered through errors.py; unknown
 paths and methods too, in the same OpenAI error shape. With --api-key,
@@ -31,6 +32,7 @@ from gateway.exchange import CLIENT_GONE, ClientGone, EventStream, Record, colle
 from gateway.intake import Intake, Translate
 from gateway.metrics import GatewayMetrics
 from gateway.translation.request import chat_request, completion_request
+from gateway.translation.tokens import detokenize_reply, detokenize_request, tokenize_reply, tokenize_request
 from gateway.translation.response import ChatReply, CompletionReply, model_list, model_object
 from gateway.upstream import Upstream
 
@@ -66,6 +68,8 @@ class GatewayApp:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ], exception_handlers={HTTPException: self.http_error})
@@ -129,6 +133,31 @@ class GatewayApp:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "/v1/completions", "cmpl", completion_request, CompletionReply)
+
+    # ------------------------------------------------------------------ tokens
+
+    async def _unary(self, request: Request, route: str, translate: Translate, call, shape) -> Response:
+        """A request answered by one unary call to the inference service: its body translated by `translate`,
+        sent by `call`, the answer shaped by `shape`."""
+        record = Record(self.metrics, route)
+        try:
+            info = await self.upstream.model_info()
+            message = await self.intake.translated(request, translate, info.model_id, "")
+            result = shape(await call(message, key_identity(request.scope)))
+        except ClientDisconnect:
+            record.done(CLIENT_GONE)
+            return Response(status_code=CLIENT_GONE)
+        except Exception as e:  # noqa: BLE001 - the client's, the upstream's or ours: answered via errors.py
+            return self.error_response(e, record)
+        record.done(200)
+        return JSONResponse(result)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._unary(request, "/tokenize", tokenize_request, self.upstream.tokenize, tokenize_reply)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._unary(request, "/detokenize", detokenize_request, self.upstream.detokenize,
+                                 detokenize_reply)
 
     # ------------------------------------------------------------------ models, health, metrics
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import Request
 
@@ -23,7 +24,8 @@ from gateway.body import Fields, parse_object
 from gateway.errors import ApiError, InvalidParameterError
 from gateway.translation.request import Translated
 
-Translate = Callable[[Fields, str, str], Translated]
+# (body, served model id, request id) -> a Translated completion request, or another call's request message.
+Translate = Callable[[Fields, str, str], Translated | Any]
 # Parses at a time: more would not run sooner (the GIL), only hold more parsed bodies in memory.
 PARSE_SLOTS = 2
 

@@ -88,6 +88,12 @@ class Upstream:
         """end_client: the API key's identity ("": none, the gateway itself is the caller)."""
         return self.stub.Generate(request, metadata=_end_client(end_client))
 
+    async def tokenize(self, request: pb.TokenizeRequest, end_client: str = "") -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(request, metadata=_end_client(end_client))
+
+    async def detokenize(self, request: pb.DetokenizeRequest, end_client: str = "") -> pb.DetokenizeResponse:
+        return await self.stub.Detokenize(request, metadata=_end_client(end_client))
+
     async def model_info(self) -> pb.GetModelInfoResponse:
         """The served model's info: the cached answer, refreshed in the background once older than
         `model_info_ttl_seconds`; with none cached, the first answer, or the RPC's error."""

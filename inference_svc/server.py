@@ -29,6 +29,7 @@ from inference_svc.core.engine_client import EngineClient
 from inference_svc.core.assembly import (GIL_SWITCH_INTERVAL_SECONDS, EngineAssembly, load_chat, load_runner,
                                         load_tokenizer, resolve_source)
 from inference_svc.api.frontend import Frontend, ServingInfo
+from inference_svc.api.tokenizing import Tokenization
 from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelNotFoundError, ModelSource
@@ -84,6 +85,7 @@ class InferenceServer(Hosted):
             self.engine, self.runner, self.grammar = self.stack.engine, self.stack.runner, self.stack.grammar
             self.model_info = served.info
             template, family, _ = self.stack.chat
+            tok = self.stack.tokenizer
         self.host.listen(c.host, c.port, c.tls)
         if c.health_port:
             self.host.listen_health(c.host, c.health_port)
@@ -102,7 +104,10 @@ class InferenceServer(Hosted):
         log.info("chat template: %s; model family: %s", "yes" if serving.has_chat_template else "none",
                  serving.family or "none")
         self.frontend = Frontend(self.engine, template, family)
-        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.frontend, serving), self.host.server)
+        tokenization = Tokenization(tok, template, vocab_size=serving.vocab_size,
+                                    max_prompt_bytes=c.engine.max_prompt_bytes)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self.frontend, serving, tokenization),
+                                                       self.host.server)
         await self.host.set_serving(True)
         log.info("inference service SERVING on %s:%d (%s; engine %s; metrics on :%d)", c.host, self.port,
                  c.tls.describe() if c.tls else "plaintext",

@@ -113,6 +113,21 @@ def test_same_answers_as_one_process(split_server, inference_server, prompt, opt
     assert _without_call_ids(got) == _without_call_ids(want)
 
 
+def test_tokenize_answers_as_in_one_process(split_server, inference_server):
+    """Tokenize and Detokenize run in the API process, on the tokenizer it loads beside the core's."""
+    from shared.gen.inference.v1 import inference_service_pb2 as pb
+    from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+    chat = pb.TokenizeRequest(messages=[pb.ChatMessage(role="user", content="Say hi")])
+    answers = []
+    for target in (split_server.target, inference_server.target):
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            ids = stub.Tokenize(chat, timeout=60).token_ids
+            answers.append((list(ids), stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=60).text))
+    assert answers[0] == answers[1] and answers[0][0]
+
+
 def test_n_completions_come_back_as_from_one_process(split_server, inference_server):
     options = dict(n=3, max_tokens=6, ignore_eos=True, temperature=1.0, seed=2, timeout=60)
     with InferenceClient(split_server.target) as split, InferenceClient(inference_server.target) as one:

@@ -94,8 +94,9 @@ class ChatTemplate:
         return bool(self._source)
 
     def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
-               reasoning: bool | None = None) -> str:
-        """The prompt text for `messages`, ending with the generation prompt (the assistant's turn).
+               reasoning: bool | None = None, *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending with the generation prompt (the assistant's turn) unless
+        add_generation_prompt is false (Tokenize's choice).
 
         `reasoning` (when not None) reaches the template as both `thinking`
         and `enable_thinking`, the names templates read.
@@ -111,7 +112,7 @@ class ChatTemplate:
                 raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls, not {m.role}")
         kwargs = {} if reasoning is None else {"thinking": reasoning, "enable_thinking": reasoning}
         return self._apply([m.as_template_dict() for m in messages],
-                           [tool_as_template_dict(t) for t in tools] or None, kwargs)
+                           [tool_as_template_dict(t) for t in tools] or None, kwargs, add_generation_prompt)
 
     def _template_text(self, with_tools: bool) -> str:
         source = self._source
@@ -124,21 +125,23 @@ class ChatTemplate:
             return source[name]
         return source
 
-    def _apply(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    def _apply(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+               add_generation_prompt: bool = True) -> str:
         import jinja2
 
         try:
-            return self._render(messages, tools, kwargs)
+            return self._render(messages, tools, kwargs, add_generation_prompt)
         except jinja2.TemplateError as e:  # the template refused this conversation (raise_exception) or failed on it
             raise InvalidRequestError(f"the chat template cannot render these messages: {e.message or e}") from None
         except (TypeError, ValueError, LookupError) as e:  # the template's code failed on this conversation's data
             raise InvalidRequestError(
                 f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+                add_generation_prompt: bool = True) -> str:
         return self._tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=self._template_text(tools is not None), tokenize=False,
-            add_generation_prompt=True, **kwargs)
+            add_generation_prompt=add_generation_prompt, **kwargs)
 
     def _check_syntax(self) -> None:
         """Renders a one-message conversation: a template that does not parse fails the server's start."""

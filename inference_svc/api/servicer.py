@@ -7,6 +7,7 @@ from inference_svc.config import EngineConfig
 from inference_svc.api.frontend import ClientRequest, Frontend, ServingInfo, SubmittedRequest
 from inference_svc.engine.request import FinishReason, Output
 from inference_svc.engine.sampling import SamplingOptions
+from inference_svc.api.tokenizing import Tokenization, TokenizeInput
 from inference_svc.api.tool_calls import ToolChoice, ToolSpec, check_tool_bytes
 from inference_svc.types import CheckResult, Constraint, JsonOptions, ParsedToolCall, SchemaWarning
 from shared import errors
@@ -172,10 +173,39 @@ def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.Genera
     return resp
 
 
+def tokenize_input(request: pb.TokenizeRequest, max_tool_bytes: int) -> TokenizeInput:
+    check_tool_bytes([(t.name, t.parameters_json_schema) for t in request.tools], max_tool_bytes)
+    if request.tools and not request.messages:
+        raise errors.InvalidRequestError("tools are shown to the chat template: give them with messages")
+    return TokenizeInput(
+        prompt=request.prompt, messages=tuple(chat_message(m) for m in request.messages),
+        tools=tuple(tool(t) for t in request.tools),
+        add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else True,
+        reasoning=request.reasoning if request.HasField("reasoning") else None)
+
+
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, frontend: Frontend, info: ServingInfo):
+    def __init__(self, frontend: Frontend, info: ServingInfo, tokenization: Tokenization):
         self.frontend = frontend
         self.info = info
+        self.tokenization = tokenization
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        try:
+            ids = await self.tokenization.tokenize(tokenize_input(request, self.frontend.engine.config.max_tool_bytes))
+        except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
+            refuse(context, e)
+            return pb.TokenizeResponse()
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.info.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        try:
+            text = await self.tokenization.detokenize(request.token_ids)
+        except Exception as e:  # noqa: BLE001 - mapped to a status by the one table
+            refuse(context, e)
+            return pb.DetokenizeResponse()
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.GetModelInfoResponse:
         i = self.info

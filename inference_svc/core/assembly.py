@@ -172,6 +172,8 @@ class EngineAssembly:
         self.served: ServedModel | None = None
         # load_chat's (template, family, think ids) for the model, once built (the API side renders with them).
         self.chat = None
+        # The model's tokenizer, once built (the API side's Tokenize and Detokenize use it).
+        self.tokenizer = None
         self._maintain: asyncio.Task | None = None
 
     async def build(self) -> ServedModel:
@@ -186,6 +188,7 @@ class EngineAssembly:
                  "simulated" if c.simulate_step_ms else f"{info.dtype} on {info.device}")
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
         self.chat = await asyncio.to_thread(load_chat, c, tok)
+        self.tokenizer = tok
         view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2])
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
