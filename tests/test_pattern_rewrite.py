@@ -43,12 +43,23 @@ def allowed(bitmask, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
+_VOCAB_TABLES: dict[int, tuple] = {}
+
+
+def vocab_tables(info) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, each token's length, whether it holds a quote or a backslash, the stop ids) of a tokenizer,
+    built once per tokenizer: decoded_vocab is read through one FFI call per token."""
+    if id(info) not in _VOCAB_TABLES:
+        vocab = [bytes(t) for t in info.decoded_vocab]
+        _VOCAB_TABLES[id(info)] = (info, len(vocab), np.array([len(t) for t in vocab]),
+                                   np.array([b'"' in t or b"\\" in t for t in vocab]),
+                                   np.array(sorted(info.stop_token_ids), dtype=np.int64))
+    return _VOCAB_TABLES[id(info)][1:]
+
+
 def same_masks_on_walks(reference, rewritten, info, seeds, max_steps=400) -> int:
     """Walks `reference`'s masks; asserts `rewritten` gives the same mask at every step. Returns rows compared."""
-    vocab = [bytes(t) for t in info.decoded_vocab]
-    short = np.array([len(t) for t in vocab])
-    special = np.array([b'"' in t or b"\\" in t for t in vocab])
-    stop = set(info.stop_token_ids)
+    tokens, short, special, stop = vocab_tables(info)
     buf, buf2 = xgr.allocate_token_bitmask(1, info.vocab_size), xgr.allocate_token_bitmask(1, info.vocab_size)
     rows = 0
     for seed in seeds:
@@ -59,16 +70,18 @@ def same_masks_on_walks(reference, rewritten, info, seeds, max_steps=400) -> int
             b.fill_next_token_bitmask(buf2)
             rows += 1
             assert np.array_equal(buf.numpy(), buf2.numpy()), f"seed {seed}: masks differ at step {step}"
-            ids = [int(t) for t in allowed(buf, info.vocab_size) if t < len(vocab) and int(t) not in stop]
-            if not ids:
+            ids = allowed(buf, info.vocab_size)
+            ids = ids[ids < tokens]
+            ids = ids[~np.isin(ids, stop)]
+            if not len(ids):
                 break
-            plain = [t for t in ids if not special[t]]
-            if plain and rng.random() < 0.97:
+            plain = ids[~special[ids]]
+            if len(plain) and rng.random() < 0.97:
                 # Mostly the shortest of a few: one character at a time reaches every length, up to the bound.
-                cands = [rng.choice(plain) for _ in range(8)]
+                cands = [int(rng.choice(plain)) for _ in range(8)]
                 token = min(cands, key=lambda t: short[t]) if rng.random() < 0.8 else cands[0]
             else:
-                token = rng.choice(ids)
+                token = int(rng.choice(ids))
             assert a.accept_token(token) and b.accept_token(token)
     return rows
 
