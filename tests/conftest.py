@@ -110,6 +110,12 @@ def xgr_tokenizer_info(tokenizer_desc):
     return xgr.TokenizerInfo.deserialize_json(tokenizer_desc.info_json)
 
 
+@pytest.fixture(scope="session")
+def token_bytes(xgr_tokenizer_info) -> list[bytes]:
+    """Each token's bytes, read once: decoded_vocab answers through one FFI call per token."""
+    return [bytes(t) for t in xgr_tokenizer_info.decoded_vocab]
+
+
 def run(coro):
     """Runs a coroutine to completion on a fresh loop in the test's thread."""
     return asyncio.run(coro)

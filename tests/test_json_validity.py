@@ -96,9 +96,9 @@ UNBOUNDED = {"type": "object", "properties": {"s": {"type": "string"}}, "require
 
 
 @pytest.mark.parametrize("schema", [pytest.param(UNBOUNDED, id="unbounded"), pytest.param(BOUNDED, id="bounded")])
-def test_strings_never_hold_an_encoded_surrogate(compiler, hf_tokenizer, xgr_tokenizer_info, schema):
+def test_strings_never_hold_an_encoded_surrogate(compiler, hf_tokenizer, xgr_tokenizer_info, token_bytes, schema):
     """Byte tokens: after ED, A0 would start U+D800 (not UTF-8, no parser reads it); 80 starts U+D000."""
-    byte_token = {bytes(t): i for i, t in enumerate(xgr_tokenizer_info.decoded_vocab) if len(bytes(t)) == 1}
+    byte_token = {t: i for i, t in enumerate(token_bytes) if len(t) == 1}
     grammar = structd_grammar(compiler, schema)
     matcher = xgr.GrammarMatcher(grammar)
     for t in hf_tokenizer.encode('{"s":"', add_special_tokens=False) + [byte_token[b"\xed"]]:
@@ -263,10 +263,10 @@ def test_sample_schema_root_is_only_its_declared_type(compiler, hf_tokenizer, sa
 
 
 @pytest.mark.parametrize("dataset, name", REGRESSIONS)
-def test_random_walks_over_sample_schemas_validate(compiler, xgr_tokenizer_info, sample, dataset, name):
+def test_random_walks_over_sample_schemas_validate(compiler, xgr_tokenizer_info, token_bytes, sample, dataset, name):
     schema = sample[(dataset, name)]
     grammar = structd_grammar(compiler, schema)
-    vocab = [bytes(t) for t in xgr_tokenizer_info.decoded_vocab]
+    vocab = token_bytes
     closing = np.array([bool(t) and set(t.decode("utf-8", "ignore")) <= CLOSING for t in vocab])
     rng = random.Random(7)
     validator = jsonschema.validators.validator_for(schema)(schema)

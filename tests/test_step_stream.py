@@ -547,12 +547,12 @@ BOUNDED = {"type": "object", "properties": {
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bounded_strings_mask_like_xgrammar(registered, compiler, xgr_tokenizer_info, eos, seed):
+def test_bounded_strings_mask_like_xgrammar(registered, compiler, token_bytes, eos, seed):
     """The service compiles bounded strings in tail form (grammar_svc/schema/bounded_strings.py): every mask of a
     random walk, short tokens preferred so every length is visited, equals xgrammar's own form's mask."""
     rng = random.Random(seed)
     reference = Local(compile_local(compiler, BOUNDED))
-    vocab = xgr_tokenizer_info.decoded_vocab
+    one_byte = np.array([len(t) == 1 for t in token_bytes])
 
     async def go():
         c = Conn(registered.target, registered.vocab_size)
@@ -562,11 +562,12 @@ def test_bounded_strings_mask_like_xgrammar(registered, compiler, xgr_tokenizer_
             for _ in range(80):
                 assert resp.results[0].status == OK
                 assert same_mask(masks[0], reference.mask(), c.vocab_size)
-                allowed = [int(t) for t in reference.allowed()]
-                if allowed == [eos]:
+                allowed = reference.allowed()
+                if allowed.tolist() == [eos]:
                     break  # the object is complete
-                short = [t for t in allowed if t != eos and len(bytes(vocab[t])) == 1]
-                token = rng.choice(short or [t for t in allowed if t != eos])
+                rest = allowed[allowed != eos]
+                short = rest[one_byte[rest]]
+                token = int(rng.choice(short if len(short) else rest))
                 reference.accept([token])
                 resp, masks = await c.step(step(1, accept_token_ids=[token]))
             else:
@@ -608,12 +609,11 @@ def test_jump_forward_tokens_are_accepted_before_the_mask(registered, grammars, 
     run(go())
 
 
-def test_jump_forward_inside_a_multibyte_character_samples_instead(registered, compiler, tokenizer_desc):
+def test_jump_forward_inside_a_multibyte_character_samples_instead(registered, compiler, token_bytes):
     """After a token that ends mid-character the forced bytes are not valid UTF-8: no jump, no error."""
     choice = "🎉 party"
     spec = pb.GrammarSpec(choice=pb.ChoiceList(choices=[choice]))
-    tokens = xgr.TokenizerInfo.deserialize_json(tokenizer_desc.info_json).decoded_vocab
-    first = next(i for i, b in enumerate(tokens) if bytes(b) == "🎉".encode()[:3])
+    first = token_bytes.index("🎉".encode()[:3])
 
     async def go():
         c = Conn(registered.target, registered.vocab_size)
@@ -711,7 +711,7 @@ def random_instance(schema, rng: random.Random):
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in JF_SCHEMAS])
-def test_jump_forward_keeps_canonical_tokenization(registered, compiler, hf_tokenizer, tokenizer_desc, eos, name):
+def test_jump_forward_keeps_canonical_tokenization(registered, compiler, hf_tokenizer, token_bytes, eos, name):
     """With jump-forward on every step, the session's tokens are always a
     prefix of the canonical tokenization of the finished text, for random
     valid continuations: forced tokens never create a boundary the tokenizer
@@ -720,7 +720,6 @@ def test_jump_forward_keeps_canonical_tokenization(registered, compiler, hf_toke
     rng = random.Random(f"jf-{name}")
     docs = [json.dumps(random_instance(schema, rng), separators=(",", ":"), ensure_ascii=False) for _ in range(8)]
     compiled = compile_local(compiler, schema)
-    token_bytes = xgr.TokenizerInfo.deserialize_json(tokenizer_desc.info_json).decoded_vocab
 
     async def go():
         c = Conn(registered.target, registered.vocab_size)
@@ -739,7 +738,7 @@ def test_jump_forward_keeps_canonical_tokenization(registered, compiler, hf_toke
                     forced = list(r.jump_forward.forced_token_ids)
                     if forced:
                         forced_total += len(forced)
-                        text = b"".join(bytes(token_bytes[t]) for t in forced).decode("utf-8")
+                        text = b"".join(token_bytes[t] for t in forced).decode("utf-8")
                         assert r.jump_forward.forced_text == text
                     have[i] += forced
                     assert have[i] == canon[i][:len(have[i])], (
