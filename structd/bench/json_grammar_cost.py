@@ -87,9 +87,9 @@ def measure(schema: dict, info, vocab: list[bytes], closing, max_tokens: int, se
         if len(ids) == 0:
             break
         if rng.random() < closing_bias(step, max_tokens):
-            ends = [int(t) for t in ids if closing[t]]
-            if ends:
-                ids = np.array(ends)
+            ends = ids[closing[ids]]  # `closing` is a boolean array over the vocabulary
+            if len(ends):
+                ids = ends
         token = int(ids[rng.randrange(len(ids))])
         if token in stop_ids:
             break
