@@ -47,6 +47,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from structd.bench.e2e.report import server_deltas
 from structd.bench.e2e.run import start_grammar_in_process
 from structd.bench.e2e.workload import SCHEMAS, digest, work
 from structd.bench.harness import ChildService, UsageError, machine, progress
@@ -90,10 +91,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--n", type=int, default=8, help="n phase: completions of one request (0: skip it)")
     parser.add_argument("--n-prompt-tokens", type=int, default=0,
                         help="n phase: prompt tokens (0: --prefix-tokens plus the largest suffix)")
-    parser.add_argument("--no-shared-rounds", type=int, default=3,
+    parser.add_argument("--no-shared-rounds", type=int, default=6,
                         help="no-shared-prefix phase (structd bench e2e's constrained workload at the highest "
                              "--concurrency): rounds, each running both servers, in alternating order (0: skip it)")
-    parser.add_argument("--no-shared-requests", type=int, default=64, help="no-shared-prefix phase: requests")
+    parser.add_argument("--no-shared-requests", type=int, default=256,
+                        help="no-shared-prefix phase: requests per round (a round lasts seconds: its figure moves "
+                             "more between rounds than the difference it looks for)")
     parser.add_argument("--no-shared-max-tokens", type=int, default=64, help="no-shared-prefix phase: max_tokens")
     parser.add_argument("--caching", type=_modes, default=list(MODES),
                         help="which servers to run: on, off or on,off (both; the targets compare them)")
@@ -268,6 +271,8 @@ class Server:
         records, wall = asyncio.run(go())
         after = self.counters()
         server = {"prefix_cache_queried_tokens": delta(before, after, QUERIES),
+                  # Steps, forward time, mean batch, the step loop's host phases (what bench e2e reports).
+                  "detail": server_deltas(before, after, wall),
                   "prefix_cache_hit_tokens": delta(before, after, HITS),
                   "prompt_tokens": delta(before, after, "inference_svc_prompt_tokens_total"),
                   "preemptions": delta(before, after, "inference_svc_preemptions_total"),
@@ -385,16 +390,19 @@ def no_shared_prefix_phase(args, server: Server, prompts: Prompts, round_: int) 
 
 
 def warm_up(args, server: Server, prompts: Prompts, schema_text: str) -> None:
-    """Compiles the schemas (cached by the grammar server from then on) and runs a few steps, on prompts no
-    phase uses (the no-shared-prefix phase's prompts are shorter than a block: none of theirs can be cached)."""
-    asks = [Ask(prompts.instruction("warm-up", 64), {"max_tokens": 4, "json_schema": schema_text})]
-    if args.no_shared_rounds:
-        asks += no_shared_asks(args, prompts, 4)[:len(SCHEMAS)]
+    """Compiles the schemas (cached by the grammar server from then on) and runs a few steps, on a prompt no
+    phase uses; with the no-shared-prefix phase, runs it once unmeasured (its prompts are shorter than a block,
+    so none of theirs can be cached), so its first round does not pay for batch shapes new to the server."""
+    ask = Ask(prompts.instruction("warm-up", 64), {"max_tokens": 4, "json_schema": schema_text})
 
     async def body(client, t0):
-        return [await _one(client, i, ask, t0) for i, ask in enumerate(asks)]
+        return [await _one(client, 0, ask, t0)]
 
     server.measure("warm-up", body)
+    if args.no_shared_rounds:
+        server.measure("warm-up (no shared prefix)",
+                       _closed_loop_body(no_shared_asks(args, prompts, args.no_shared_max_tokens),
+                                         max(args.concurrency)))
 
 
 # --- vLLM ----------------------------------------------------------------------------------

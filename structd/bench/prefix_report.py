@@ -183,16 +183,21 @@ def markdown(result: dict) -> str:
         w = result["workload"]["no_shared_prefix"]
         lines += ["", f"### No shared prefix: {w['prompts']}, N={no_shared[0]['concurrency']}, "
                       f"{w['requests']} requests, max_tokens {w['max_tokens']}", "",
-                  "| round | caching | tokens/s | TTFT p50 ms | TTFT p99 ms | hit rate | wall s | errors |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+                  "| round | caching | tokens/s | TTFT p50 ms | TTFT p99 ms | hit rate | steps | forward s "
+                  "| schedule ms/step | wall s | errors |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for p in no_shared:
+            d = p["server"].get("detail", {})
+            schedule = d.get("host_phase_mean_seconds", {}).get("schedule")
             lines.append(f"| {p['round'] + 1} | {p['caching']} | {_num(p['throughput_tokens_per_second'])} "
                          f"| {_ms(p['ttft_seconds'], 'p50')} | {_ms(p['ttft_seconds'], 'p99')} "
-                         f"| {p['hit_rate']:.3f} | {p['wall_seconds']:.1f} | {p['errors']} |")
+                         f"| {p['hit_rate']:.3f} | {d.get('steps', '-')} | {p['server']['forward_seconds']:.2f} "
+                         f"| {_num(None if schedule is None else schedule * MS, '{:.3f}')} "
+                         f"| {p['wall_seconds']:.1f} | {p['errors']} |")
         rates = no_shared_rates(result)
         for caching in ("on", "off"):
             if caching in rates:
-                lines.append(f"| all | {caching} | {rates[caching]:,.1f} | | | | | |")
+                lines.append(f"| all | {caching} | {rates[caching]:,.1f} | | | | | | | | |")
     lines += ["", "### Targets (issue 25)", "", "| target | value | bound | status |", "|---|---:|---:|---|"]
     for name, t in result["targets"].items():
         value = t.get("value")
