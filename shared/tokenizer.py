@@ -41,11 +41,21 @@ class TokenizerDescription:
     vocab_size: int
     hf_tokenizer_json: str | None
 
-    def compressed_info(self) -> bytes:
+    # Compressed once per description: it is sent to every replica that does not know it yet (each one a
+    # tier connects to, and again to one that restarted), and a large vocabulary takes a while to compress.
+    @functools.cached_property
+    def _info_zlib(self) -> bytes:
         return zlib.compress(self.info_json.encode("utf-8"), 6)
 
-    def compressed_hf(self) -> bytes:
+    @functools.cached_property
+    def _hf_zlib(self) -> bytes:
         return zlib.compress(self.hf_tokenizer_json.encode("utf-8"), 6) if self.hf_tokenizer_json else b""
+
+    def compressed_info(self) -> bytes:
+        return self._info_zlib
+
+    def compressed_hf(self) -> bytes:
+        return self._hf_zlib
 
 
 def describe(tokenizer, vocab_size: int | None = None, *, with_hf_json: bool = True) -> TokenizerDescription:
