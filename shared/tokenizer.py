@@ -59,7 +59,13 @@ class TokenizerDescription:
 
 
 def describe(tokenizer, vocab_size: int | None = None, *, with_hf_json: bool = True) -> TokenizerDescription:
-    """Describes a Hugging Face tokenizer; vocab_size is the model's logits width."""
+    """Describes a Hugging Face tokenizer; vocab_size is the model's logits width. A tokenizer object is
+    described once (load_hf_tokenizer's cached one serves every server a process starts on it)."""
+    return _describe(tokenizer, vocab_size, with_hf_json)
+
+
+@functools.lru_cache(maxsize=4)
+def _describe(tokenizer, vocab_size: int | None, with_hf_json: bool) -> TokenizerDescription:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
