@@ -105,13 +105,28 @@ class ParsedToolCall:
     arguments_json: str  # the arguments object as compact JSON text
 
 
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call as its text arrives: a call's first has its id and name, the next ones the
+    arguments text in order (streamed arguments, as OpenAI clients read them)."""
+
+    index: int  # the call's position among the response's calls
+    id: str = ""
+    name: str = ""
+    arguments_fragment: str = ""
+
+
 class ToolCallReader(Protocol):
     """What the engine's response text calls on a request's tool-call parser (api/tool_calls.py's).
 
     `push` each answer text delta and send the content it returns; `finish`
-    at the end: each returns (content, whole calls found).
+    at the end: each returns (content, whole calls found). `take_deltas`
+    then gives the calls' pieces that text added (each call's last piece
+    comes no later than the call itself).
     """
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]: ...
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]: ...
+
+    def take_deltas(self) -> list[ToolCallDelta]: ...

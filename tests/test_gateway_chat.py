@@ -94,16 +94,82 @@ def test_tool_choice_required_returns_calls_whose_arguments_validate(openai_clie
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
-def test_streamed_tool_calls_carry_an_index(openai_client, served_model):
-    chunks = list(openai_client.chat.completions.create(
-        model=served_model, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=96,
-        temperature=0.8, seed=5, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        stream=True))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert calls and [tc.index for tc in calls] == list(range(len(calls)))
-    for tc in calls:
-        jsonschema.validate(json.loads(tc.function.arguments), WEATHER["function"]["parameters"])
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                   "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def streamed_calls(chunks) -> list[dict]:
+    """The stream's tool calls put together from their pieces, checking OpenAI's shape on the way: a call's
+    first entry has its id, type, name and empty arguments, the next ones arguments only."""
+    calls: list[dict] = []
+    for chunk in chunks:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if tc.index == len(calls):
+                assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name
+                assert tc.function.arguments == ""
+                calls.append({"id": tc.id, "name": tc.function.name, "pieces": []})
+            else:
+                assert tc.index == len(calls) - 1, "a call's pieces follow its head, calls in order"
+                assert tc.id is None and tc.function.name is None
+                calls[-1]["pieces"].append(tc.function.arguments)
+    return calls
+
+
+@pytest.mark.parametrize("tool_choice", [
+    pytest.param("required", id="required"),
+    pytest.param({"type": "function", "function": {"name": "get_weather"}}, id="named"),
+])
+@pytest.mark.parametrize("seed", [5, 6])
+def test_streamed_tool_call_arguments_come_in_pieces(openai_client, served_model, tool_choice, seed):
+    kwargs = dict(model=served_model, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=96,
+                  temperature=0.8, seed=seed, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
+    calls = streamed_calls(chunks)
+    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert any(len(c["pieces"]) > 1 for c in calls), "the arguments stream as they are written"
+    whole = openai_client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [c["name"] for c in calls] == [w.function.name for w in whole]
+    for c, w in zip(calls, whole):
+        arguments = json.loads("".join(c["pieces"]))
+        jsonschema.validate(arguments, SCHEMAS[c["name"]])
+        assert arguments == json.loads(w.function.arguments), "the same call as the non-streamed answer"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_parallel_tool_calls_false_gives_one_call_at_most(openai_client, served_model, tool_choice):
+    counts = []
+    for seed in range(6):
+        resp = openai_client.chat.completions.create(
+            model=served_model, messages=[{"role": "user", "content": "Weather in Oslo and time in UTC?"}],
+            max_tokens=96, temperature=1.0, seed=seed, tools=[WEATHER, TIME], tool_choice=tool_choice,
+            parallel_tool_calls=False)
+        choice = resp.choices[0]
+        counts.append(len(choice.message.tool_calls or []))
+        if tool_choice == "required":
+            assert choice.finish_reason == "tool_calls"
+    assert max(counts) <= 1, counts
+    if tool_choice == "required":
+        assert min(counts) == 1
+
+
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_allowed_tools_restrict_what_is_called(openai_client, served_model, mode):
+    names = set()
+    for seed in range(4):
+        resp = openai_client.chat.completions.create(
+            model=served_model, messages=[{"role": "user", "content": "Weather in Oslo?"}], max_tokens=96,
+            temperature=1.0, seed=seed, tools=[WEATHER, TIME],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {
+                "mode": mode, "tools": [{"type": "function", "function": {"name": "get_time"}}]}})
+        for call in resp.choices[0].message.tool_calls or []:
+            names.add(call.function.name)
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_time"])
+    assert names <= {"get_time"}
+    if mode == "required":
+        assert names == {"get_time"}
 
 
 def test_a_tool_conversation_round_trips(openai_client, served_model):
@@ -130,9 +196,11 @@ def test_reasoning_with_a_thinking_budget(openai_client, served_model):
     message = resp.choices[0].message
     reasoning = message.model_dump()["reasoning_content"]
     assert reasoning, "the thinking text"
+    assert message.model_dump()["reasoning"] == reasoning, "vLLM's current name, and the older one as an alias"
     jsonschema.validate(json.loads(message.content), PERSON)
     assert 0 < resp.usage.completion_tokens_details.reasoning_tokens <= 6 + 1, "the budget, end token included"
     chunks = list(openai_client.chat.completions.create(stream=True, **kwargs))
     deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.get("reasoning") or "" for d in deltas) == reasoning
     assert "".join(d.get("content") or "" for d in deltas) == message.content

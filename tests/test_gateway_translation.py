@@ -130,8 +130,20 @@ def test_sampling_parameters(body, field, value):
     pytest.param({"reasoning_effort": "extreme"}, "reasoning_effort", id="reasoning_effort-value"),
     pytest.param({"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "none"}, "reasoning_effort",
                  id="reasoning-contradiction"),
-    pytest.param({"chat_template_kwargs": {"add_generation_prompt": False}},
-                 "chat_template_kwargs.add_generation_prompt", id="chat_template_kwargs-other"),
+    pytest.param({"messages": [{"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"}]},
+                 "messages[0].reasoning", id="reasoning-aliases-differ"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+                      {"type": "function", "function": {"name": "g"}}]}}},
+                 "tool_choice.allowed_tools.tools[0].function", id="allowed_tools-unknown"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "none", "tools": [
+                      {"type": "function", "function": {"name": "f"}}]}}},
+                 "tool_choice.allowed_tools.mode", id="allowed_tools-mode"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+                 "tool_choice.allowed_tools.tools", id="allowed_tools-empty"),
+    pytest.param({"parallel_tool_calls": "no"}, "parallel_tool_calls", id="parallel_tool_calls-type"),
     pytest.param({"thinking_token_budget": -5}, "thinking_token_budget", id="thinking_token_budget-negative"),
 ])
 def test_refused_chat_fields_name_their_parameter(body, param):
@@ -236,6 +248,34 @@ def test_messages_tools_and_tool_choice():
     named = chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "weather"}}).grpc_request
     assert (named.tool_choice.mode, named.tool_choice.name) == (pb.TOOL_CHOICE_MODE_NAMED, "weather")
     assert not chat(tools=[tool]).grpc_request.HasField("tool_choice"), "unset: the server's auto"
+    assert not chat(tools=[tool]).grpc_request.HasField("parallel_tool_calls"), "unset: the server's (any number)"
+    single = chat(tools=[tool], parallel_tool_calls=False).grpc_request
+    assert single.HasField("parallel_tool_calls") and not single.parallel_tool_calls
+    allowed = chat(tools=[tool, {"type": "function", "function": {"name": "other"}}],
+                   tool_choice={"type": "allowed_tools", "allowed_tools": {
+                       "mode": "required", "tools": [{"type": "function", "function": {"name": "weather"}}]}}
+                   ).grpc_request
+    assert (allowed.tool_choice.mode, list(allowed.tool_choice.allowed_tools)) == \
+           (pb.TOOL_CHOICE_MODE_REQUIRED, ["weather"])
+
+
+@pytest.mark.parametrize("fields, thinking", [
+    pytest.param({"reasoning": "hmm"}, "hmm", id="reasoning"),
+    pytest.param({"reasoning_content": "hmm"}, "hmm", id="reasoning_content"),
+    pytest.param({"reasoning": "hmm", "reasoning_content": "hmm"}, "hmm", id="both-agree"),
+])
+def test_assistant_reasoning_either_name(fields, thinking):
+    req = chat(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **fields}]
+               ).grpc_request
+    assert req.messages[1].reasoning_content == thinking
+
+
+def test_chat_template_kwargs_go_to_the_template():
+    req = chat(chat_template_kwargs={"enable_thinking": False, "style": "terse", "depth": [1, {"a": None}]}
+               ).grpc_request
+    assert req.reasoning is False, "enable_thinking still turns thinking off"
+    assert json.loads(req.chat_template_kwargs_json) == {"style": "terse", "depth": [1, {"a": None}]}
+    assert chat().grpc_request.chat_template_kwargs_json == ""
 
 
 @pytest.mark.parametrize("body, reasoning, budget", [

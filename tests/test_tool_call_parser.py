@@ -132,3 +132,49 @@ def test_a_family_without_a_tool_format_cannot_parse():
         ToolCallParser(ModelFamily("plain"))
     with pytest.raises(InvalidRequestError, match="family is unknown"):
         ToolCallParser(None)
+
+
+def deltas_by_call(parser: ToolCallParser, pieces) -> tuple[list, dict[int, list]]:
+    """The whole calls, and each call's deltas (by index), pushing `pieces` one by one."""
+    calls, by_index = [], {}
+    for piece in [*pieces, None]:
+        _, found = parser.push(piece) if piece is not None else parser.finish()
+        for d in parser.take_deltas():
+            assert d.index not in {i for i, _ in enumerate(calls)}, "a call's pieces come no later than the call"
+            by_index.setdefault(d.index, []).append(d)
+        calls += found
+    return calls, by_index
+
+
+@pytest.mark.parametrize("family, text, content, calls", CASES)
+def test_streamed_deltas_make_up_each_call(family, text, content, calls):
+    # Every split: one push per character, and the whole text at once.
+    for pieces in (list(text), [text]):
+        found, by_index = deltas_by_call(ToolCallParser(family), pieces)
+        assert [(c.name, c.arguments_json) for c in found] == calls
+        for i, c in enumerate(found):
+            first, *rest = by_index[i]
+            assert (first.id, first.name, first.arguments_fragment) == (c.id, c.name, "")
+            assert all(not d.id and not d.name for d in rest)
+            assert json.loads("".join(d.arguments_fragment for d in rest)) == json.loads(c.arguments_json)
+
+
+def test_arguments_arrive_in_pieces_as_they_are_written():
+    text = block(DEEPSEEK, call_text(DEEPSEEK, "f", '{"s":"a<｜tool▁call▁end｜>b","n":[1,2]}'))
+    parser = ToolCallParser(DEEPSEEK)
+    pieces = []
+    for ch in text:
+        parser.push(ch)
+        pieces += [d.arguments_fragment for d in parser.take_deltas() if d.arguments_fragment]
+    assert len(pieces) > 10, "the arguments stream as they arrive, not in one piece at the end"
+    assert "".join(pieces) == '{"s":"a<｜tool▁call▁end｜>b","n":[1,2]}'
+
+
+def test_a_call_cut_off_gives_its_pieces_so_far_and_returns_its_markup_as_content():
+    text = 'x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a":'
+    parser = ToolCallParser(DEEPSEEK)
+    content, calls = parser.push(text)
+    rest, more = parser.finish()
+    deltas = parser.take_deltas()
+    assert (content + rest, calls + more) == (text, [])
+    assert deltas[0].name == "f" and "".join(d.arguments_fragment for d in deltas) == '{"a":'

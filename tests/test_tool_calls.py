@@ -53,9 +53,9 @@ def compiler(xgr_tokenizer_info):
     return xgr.GrammarCompiler(xgr_tokenizer_info)
 
 
-def compiled(compiler, family, choice, tools=TOOLS, answer=None):
+def compiled(compiler, family, choice, tools=TOOLS, answer=None, parallel=True):
     """The tag as the grammar tier compiles it (its json_schema parts through structd's JSON grammar)."""
-    tag = tool_call_structural_tag(family, tools, choice, answer)
+    tag = tool_call_structural_tag(family, tools, choice, answer, parallel=parallel)
     return compile_spec(compiler, GrammarSpec(Kind.STRUCTURAL_TAG, json.dumps(tag)))
 
 
@@ -120,6 +120,50 @@ def test_named_is_exactly_that_tool(compiler, family):
     assert accepts(grammar, calls(family, BOOK_CALL))
     assert not accepts(grammar, calls(family, WEATHER_CALL))
     assert not accepts(grammar, calls(family, BOOK_CALL, BOOK_CALL))
+
+
+# (answer text builder, accepted under auto, required) with parallel_tool_calls false
+ONE_CALL_ANSWERS = [
+    pytest.param(lambda f: calls(f, WEATHER_CALL), True, True, id="one-call"),
+    pytest.param(lambda f: calls(f, WEATHER_CALL, BOOK_CALL), False, False, id="two-calls-one-block"),
+    pytest.param(lambda f: calls(f, WEATHER_CALL) + calls(f, BOOK_CALL), False, False, id="two-blocks"),
+    pytest.param(lambda f: "Let me check. " + calls(f, WEATHER_CALL), True, False, id="text-then-call"),
+    pytest.param(lambda f: calls(f, WEATHER_CALL) + " done", False, False, id="text-after-the-call"),
+    pytest.param(lambda f: "No tools needed.", True, False, id="text-only"),
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("answer, auto, required", ONE_CALL_ANSWERS)
+def test_parallel_tool_calls_false_allows_one_call_at_most(compiler, family, answer, auto, required):
+    text = answer(family)
+    assert accepts(compiled(compiler, family, ToolChoice("auto"), parallel=False), text) == auto
+    assert accepts(compiled(compiler, family, ToolChoice("required"), parallel=False), text) == required
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_allowed_tools_restrict_the_calls(compiler, family, mode):
+    grammar = compiled(compiler, family, ToolChoice(mode, allowed=("book-table", "get_time")))
+    assert accepts(grammar, calls(family, BOOK_CALL))
+    assert accepts(grammar, calls(family, BOOK_CALL, TIME_CALL))
+    assert not accepts(grammar, calls(family, WEATHER_CALL))
+    assert not accepts(grammar, calls(family, BOOK_CALL, WEATHER_CALL))
+    assert accepts(grammar, "Just text.") == (mode == "auto")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", range(8))
+def test_random_answers_with_parallel_tool_calls_false_have_one_call(compiler, xgr_tokenizer_info, hf_tokenizer,
+                                                                    family, seed):
+    walk_tools = [WEATHER, BOOK]
+    grammar = compiled(compiler, family, ToolChoice("required"), tools=walk_tools, parallel=False)
+    ids = random_answer(grammar, xgr_tokenizer_info.vocab_size, seed)
+    assert ids[-1] == hf_tokenizer.eos_token_id
+    parser = ToolCallParser(family, tool_names={t.name for t in walk_tools})
+    content, found = parser.push(hf_tokenizer.decode(ids[:-1]))
+    rest, more = parser.finish()
+    assert (content + rest, len(found + more)) == ("", 1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -223,6 +267,10 @@ def test_tools_need_a_family_with_a_tool_format():
     pytest.param([], ToolChoice("named", "f"), "not among the request's tools", id="named-no-tools"),
     pytest.param([ToolSpec(f"t{i}") for i in range(MAX_TOOLS + 1)], ToolChoice(), f"at most {MAX_TOOLS}",
                  id="too-many-tools"),
+    pytest.param([ToolSpec("f")], ToolChoice("auto", allowed=("g",)),
+                 "allowed_tools names 'g', which is not among the request's tools (f)", id="allowed-unknown"),
+    pytest.param([ToolSpec("f")], ToolChoice("none", allowed=("f",)), "allowed_tools goes with mode auto or required",
+                 id="allowed-with-none"),
 ])
 def test_invalid_tools_are_refused_with_what_to_fix(tools, choice, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)):

@@ -310,6 +310,17 @@ def _tool_calls(m: Fields) -> list[pb.ToolCall]:
     return out
 
 
+def _reasoning_input(m: Fields) -> str:
+    """An assistant message's thinking: `reasoning` (vLLM's current name) or `reasoning_content` (its older
+    one, kept as an alias); both given must agree."""
+    given = {k: m.string(k, "") for k in ("reasoning", "reasoning_content") if m.has(k)}
+    values = {v for v in given.values() if v}
+    if len(values) > 1:
+        raise m.fail("reasoning", f"'{m.name('reasoning')}' and '{m.name('reasoning_content')}' differ: give one "
+                                  "(they are two names for the same thinking).")
+    return values.pop() if values else ""
+
+
 def messages(body: Fields) -> list[pb.ChatMessage]:
     items = body.objects("messages")
     if not items:
@@ -322,7 +333,7 @@ def messages(body: Fields) -> list[pb.ChatMessage]:
         msg = pb.ChatMessage(role=CHAT_ROLES[role], name=m.string("name", ""))
         if role == "assistant":
             msg.tool_calls.extend(_tool_calls(m))
-            msg.reasoning_content = m.string("reasoning_content", "")
+            msg.reasoning_content = _reasoning_input(m)
             msg.content = _content(m, required=not msg.tool_calls)
         else:
             msg.content = _content(m, required=True)
@@ -342,6 +353,9 @@ def tools(body: Fields, req: pb.GenerateRequest) -> None:
         req.tools.add(name=fn.string("name"), description=fn.string("description", ""),
                       parameters_json_schema=params)
         names.append(fn.string("name"))
+    parallel = body.boolean("parallel_tool_calls")
+    if parallel is not None:
+        req.parallel_tool_calls = parallel
     choice = body.raw("tool_choice")
     if choice is None:
         return
@@ -349,6 +363,8 @@ def tools(body: Fields, req: pb.GenerateRequest) -> None:
              "none": pb.TOOL_CHOICE_MODE_NONE}
     if isinstance(choice, str) and choice in modes:
         req.tool_choice.mode = modes[choice]
+    elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        _allowed_tools(body.object("tool_choice"), names, req)
     elif isinstance(choice, dict):
         fn = body.object("tool_choice").object("function")
         name = fn.string("name") if fn is not None else None
@@ -359,22 +375,50 @@ def tools(body: Fields, req: pb.GenerateRequest) -> None:
         req.tool_choice.mode = pb.TOOL_CHOICE_MODE_NAMED
         req.tool_choice.name = name
     else:
-        raise body.fail("tool_choice", "'tool_choice' must be auto, required, none or "
-                                       '{"type": "function", "function": {"name": ...}}.')
+        raise body.fail("tool_choice", "'tool_choice' must be auto, required, none, "
+                                       '{"type": "function", "function": {"name": ...}} or '
+                                       '{"type": "allowed_tools", "allowed_tools": {"mode": ..., "tools": [...]}}.')
     if not names and req.tool_choice.mode != pb.TOOL_CHOICE_MODE_NONE:
         raise body.fail("tool_choice", "'tool_choice' needs 'tools'.")
 
 
+def _allowed_tools(choice: Fields, names: list[str], req: pb.GenerateRequest) -> None:
+    """OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode": "auto"|"required", "tools": [{"type":
+    "function", "function": {"name": ...}}, ...]}}: the grammar lets the model call these tools only."""
+    allowed = choice.object("allowed_tools")
+    if allowed is None:
+        raise choice.fail("allowed_tools", "'tool_choice.allowed_tools' is required with type allowed_tools.")
+    mode = allowed.string("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise allowed.fail("mode", f"'{allowed.name('mode')}' must be auto or required, not {mode!r}.")
+    req.tool_choice.mode = pb.TOOL_CHOICE_MODE_AUTO if mode == "auto" else pb.TOOL_CHOICE_MODE_REQUIRED
+    listed = allowed.objects("tools") or []
+    if not listed:
+        raise allowed.fail("tools", f"'{allowed.name('tools')}' must list at least one tool.")
+    for t in listed:
+        # OpenAI's entries are {"type": "function", "function": {"name": ...}}; a bare {"name": ...} also reads.
+        name = _function(t).string("name") if t.has("function") else t.string("name")
+        if not name:
+            raise t.fail("function", f"'{t.name('function')}.name' is required.")
+        if name not in names:
+            raise t.fail("function", f"'{t.name('function')}' names {name!r}, which is not in 'tools'.")
+        req.tool_choice.allowed_tools.append(name)
+
+
 def reasoning(body: Fields, req: pb.GenerateRequest) -> None:
-    """chat_template_kwargs.enable_thinking / thinking and reasoning_effort turn thinking on or off."""
+    """chat_template_kwargs.enable_thinking / thinking and reasoning_effort turn thinking on or off; the other
+    chat_template_kwargs go to the chat template as they are (the inference service refuses the names the
+    template uses itself)."""
     wanted: list[tuple[str, bool]] = []
     kwargs = body.object("chat_template_kwargs")
     if kwargs is not None:
-        unknown = kwargs.unknown({"enable_thinking", "thinking"})
-        if unknown:
-            raise kwargs.fail(unknown[0], f"'{kwargs.name(unknown[0])}' is not supported: chat_template_kwargs takes "
-                                          "enable_thinking (or thinking).")
         wanted += [(kwargs.name(k), kwargs.boolean(k)) for k in ("enable_thinking", "thinking") if kwargs.has(k)]
+        rest = {k: v for k, v in kwargs.obj.items() if k not in ("enable_thinking", "thinking")}
+        if rest:
+            try:
+                req.chat_template_kwargs_json = json.dumps(rest, allow_nan=False)
+            except ValueError as e:  # the client's: a NaN or an Infinity in it
+                raise body.fail("chat_template_kwargs", f"'chat_template_kwargs' is not valid JSON: {e}") from None
     effort = body.string("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:

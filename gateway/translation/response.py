@@ -2,7 +2,8 @@
 
 A `ChatReply` / `CompletionReply` follows one call: `chunks(resp)` gives the
 stream chunks for each response as it arrives (OpenAI's exact chunk shape:
-the role first, then content / reasoning_content / tool_calls deltas, then
+the role first, then content / reasoning (and reasoning_content, its older
+name) / tool_calls deltas, then
 an empty delta with the finish reason, then the usage chunk when asked),
 `add(resp)` collects it for the one response object `result()` returns.
 
@@ -21,7 +22,10 @@ choices, a response object carries each choice's check in that choice's own
 "structd" object (its stream, on its finish chunk, as with one).
 
 Finish reasons: STOP and STOP_STRING are "stop", LENGTH "length",
-TOOL_CALLS "tool_calls". A request the inference service cancels (it is
+TOOL_CALLS "tool_calls". A stream gives each tool call in pieces as the
+inference service reads them (its tool_call_deltas: the id and name first,
+then the arguments text), as OpenAI does; a call that came whole only (an
+inference service without tool_call_deltas) goes out whole. A request the inference service cancels (it is
 draining) did not finish: it is answered UNAVAILABLE (503, which the OpenAI
 SDKs retry) rather than as a truncated completion.
 """
@@ -119,6 +123,7 @@ class _Choice:
         self.check: dict[str, Any] = {}  # its schema check's "structd" fields
         self.started = False  # chat streams: its role chunk has gone out
         self.calls_sent = 0  # chat streams: tool calls streamed so far
+        self.calls_in_pieces: set[int] = set()  # chat streams: the calls (by index) streamed in pieces
         self.legacy = LegacyLogprobs()  # completion streams: text offsets run on across its chunks
 
     def add(self, resp: pb.GenerateResponse) -> None:
@@ -244,27 +249,54 @@ class ChatReply(_Reply):
                                     warnings(resp)))
         delta: dict[str, Any] = {}
         if resp.reasoning_text:
-            delta["reasoning_content"] = resp.reasoning_text
+            delta["reasoning"] = delta["reasoning_content"] = resp.reasoning_text
         if resp.text:
             delta["content"] = resp.text
-        if resp.tool_calls:
-            delta["tool_calls"] = [{"index": c.calls_sent + k, **tool_call(t)} for k, t in enumerate(resp.tool_calls)]
-            c.calls_sent += len(resp.tool_calls)
+        entries = self._call_pieces(c, resp)
         logprobs = chat_logprobs(resp.logprobs) if self.wants_logprobs and resp.logprobs else None
+        # As OpenAI streams them: one tool_calls entry per chunk (a call's head, then its arguments' pieces).
+        if entries and not delta and not logprobs:
+            delta["tool_calls"] = [entries.pop(0)]
         if delta or logprobs:
             out.append(self._chunk(self._choice(i, delta, logprobs)))
+        out += [self._chunk(self._choice(i, {"tool_calls": [e]})) for e in entries]
         finish = self.end(c, resp)
         if finish is not None:
             out.append(with_structd(self._chunk(self._choice(i, {}, finish=finish)), c.check))
             out += self.usage_chunk()
         return out
 
+    @staticmethod
+    def _call_pieces(c: _Choice, resp: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The tool_calls delta entries of one response, in order: a call's head (id, type, name, arguments
+        "") on its own, then its arguments (pieces of one call in a row joined); whole calls whose pieces went
+        out already add nothing."""
+        entries: list[dict[str, Any]] = []
+        for d in resp.tool_call_deltas:
+            c.calls_in_pieces.add(d.index)
+            if d.id:
+                entries.append({"index": d.index, "id": d.id, "type": "function",
+                                "function": {"name": d.name, "arguments": ""}})
+            if not d.arguments_fragment:
+                continue
+            last = entries[-1] if entries else None
+            if last is not None and last["index"] == d.index and "id" not in last:
+                last["function"]["arguments"] += d.arguments_fragment
+            else:
+                entries.append({"index": d.index, "function": {"arguments": d.arguments_fragment}})
+        for t in resp.tool_calls:
+            index = c.calls_sent
+            c.calls_sent += 1
+            if index not in c.calls_in_pieces:
+                entries.append({"index": index, **tool_call(t)})
+        return entries
+
     def _whole(self, index: int, c: _Choice) -> dict[str, Any]:
         text = "".join(c.text)
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not c.tool_calls else None}
         reasoning = "".join(c.reasoning)
         if reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if c.tool_calls:
             message["tool_calls"] = [tool_call(t) for t in c.tool_calls]
         return self.with_check({"index": index, "message": message,

@@ -5,22 +5,62 @@ server is given one (`--chat-template FILE`). Rendering goes through
 transformers' `apply_chat_template`, whose Jinja environment is sandboxed:
 a template cannot reach the server's objects, and message text is data,
 never evaluated as template code. Tools and past tool calls are handed to
-the template in the OpenAI function format, which templates expect.
+the template in the OpenAI function format, which templates expect. A
+request's own template variables (vLLM's `chat_template_kwargs`) reach the
+template too, except under a name the template already uses for something
+else (messages, tools, add_generation_prompt, a special token such as
+bos_token, or one of apply_chat_template's own parameters, which would
+change how it renders rather than what).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from inference_svc.api.tool_calls import ToolSpec
 from inference_svc.types import ParsedToolCall
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, RequestTooLargeError
+from shared.json_nesting import check_nesting
 
 ROLES = ("system", "user", "assistant", "tool")
 NO_TEMPLATE = ("this model has no chat template; send prompt or prompt_token_ids, or start the server with "
                "--chat-template FILE")
+
+
+# chat_template_kwargs: a request-shape bound (a few flags and short strings is what templates read).
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+_KWARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# The names transformers' renderer itself gives the template (beyond apply_chat_template's parameters and
+# the tokenizer's special tokens, found at run time).
+_TEMPLATE_GLOBALS = frozenset({"messages", "raise_exception", "strftime_now", "dict", "namespace"})
+
+
+def parse_template_kwargs(text: str) -> dict:
+    """chat_template_kwargs' JSON text (one object) as a dict; empty text: none."""
+    if not text:
+        return {}
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise RequestTooLargeError(f"chat_template_kwargs is {size} bytes; at most {MAX_TEMPLATE_KWARGS_BYTES} "
+                                   "are accepted")
+    check_nesting(text, "chat_template_kwargs")  # before json.loads recurses into it
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:  # the client's text
+        raise InvalidRequestError(
+            f"chat_template_kwargs is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"chat_template_kwargs must be a JSON object, got {type(value).__name__}")
+    for key in value:
+        if not _KWARG_NAME.fullmatch(key):
+            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is not a template variable name (use 1 to 64 "
+                                      "letters, digits and '_', not starting with a digit)")
+    return value
 
 
 class ChatTemplateError(ValueError):
@@ -54,7 +94,8 @@ class ChatMessage:
                                   "function": {"name": c.name, "arguments": c.arguments_json}}
                                  for c in self.tool_calls]
         if self.reasoning_content:
-            out["reasoning_content"] = self.reasoning_content
+            # Templates read either name (vLLM's current one, or the older one).
+            out["reasoning"] = out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -72,6 +113,22 @@ class ChatTemplate:
         self._tokenizer = tokenizer
         self._source = source  # template text, or transformers' dict of named templates
         self.origin = origin  # where the template came from, for logs: a path or "the tokenizer"
+        self._reserved: frozenset[str] | None = None
+
+    @property
+    def reserved_names(self) -> frozenset[str]:
+        """Variable names a request's chat_template_kwargs may not use."""
+        if self._reserved is None:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            names = set(_TEMPLATE_GLOBALS)
+            for fn in (self._tokenizer.apply_chat_template, render_jinja_template):
+                names.update(p.name for p in inspect.signature(fn).parameters.values()
+                             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+            names.update(getattr(self._tokenizer, "SPECIAL_TOKENS_ATTRIBUTES", ()))
+            names.update(getattr(self._tokenizer, "special_tokens_map", {}) or {})
+            self._reserved = frozenset(names)
+        return self._reserved
 
     @staticmethod
     def load(tokenizer, override_path: str | Path | None = None) -> ChatTemplate:
@@ -94,12 +151,14 @@ class ChatTemplate:
         return bool(self._source)
 
     def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
-               reasoning: bool | None = None, *, add_generation_prompt: bool = True) -> str:
+               reasoning: bool | None = None, *, add_generation_prompt: bool = True,
+               template_kwargs: Mapping[str, object] | None = None) -> str:
         """The prompt text for `messages`, ending with the generation prompt (the assistant's turn) unless
         add_generation_prompt is false (Tokenize's choice).
 
         `reasoning` (when not None) reaches the template as both `thinking`
-        and `enable_thinking`, the names templates read.
+        and `enable_thinking`, the names templates read, over any
+        `template_kwargs` of those names (the request's own variables).
         """
         if not self.available:
             raise InvalidRequestError(NO_TEMPLATE)
@@ -110,7 +169,13 @@ class ChatTemplate:
                 raise InvalidRequestError(f"messages[{i}]: unknown role {m.role!r} (use one of {', '.join(ROLES)})")
             if m.tool_calls and m.role != "assistant":
                 raise InvalidRequestError(f"messages[{i}]: only assistant messages carry tool_calls, not {m.role}")
-        kwargs = {} if reasoning is None else {"thinking": reasoning, "enable_thinking": reasoning}
+        kwargs = dict(template_kwargs or {})
+        clash = sorted(set(kwargs) & self.reserved_names)
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs: {clash[0]!r} is one of the chat template's own "
+                                      "variables and cannot be set by a request; rename it")
+        if reasoning is not None:
+            kwargs.update(thinking=reasoning, enable_thinking=reasoning)
         return self._apply([m.as_template_dict() for m in messages],
                            [tool_as_template_dict(t) for t in tools] or None, kwargs, add_generation_prompt)
 

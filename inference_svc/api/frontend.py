@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from inference_svc.api.chat import NO_TEMPLATE, ChatMessage, ChatTemplate
@@ -89,6 +90,8 @@ class ClientRequest:
     tool_choice: ToolChoice | None = None  # None: auto
     reasoning: bool | None = None  # None: the template's default
     max_thinking_tokens: int = 0
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)  # the request's own template variables
+    parallel_tool_calls: bool = True  # false: at most one tool call
     # Who the request is for, as the caller's certificate (and the gateway's API key) says; counted apart by
     # the grammar tier's per-caller compile limit ("": the caller itself).
     end_client: str = ""
@@ -129,7 +132,8 @@ class Frontend:
                 if self.template is None or not self.template.available:
                     raise errors.InvalidRequestError(NO_TEMPLATE)
                 # Rendering runs a (sandboxed) template over client data: off the event loop, like tokenizing.
-                text = await asyncio.to_thread(self.template.render, list(r.messages), list(r.tools), r.reasoning)
+                text = await asyncio.to_thread(self.template.render, list(r.messages), list(r.tools), r.reasoning,
+                                               template_kwargs=r.template_kwargs)
                 prompt = Prompt(text, templated=True)
             else:
                 prompt = Prompt(r.prompt, tuple(r.prompt_token_ids))
@@ -184,6 +188,8 @@ class Frontend:
                 "this server knows no tool-call format for its model; start it with --model-family NAME|FILE")
         choice = r.tool_choice or ToolChoice("auto")
         validate_tools(r.tools, choice)
-        tag = tool_call_structural_tag(family, r.tools, choice, r.constraint)
+        tag = tool_call_structural_tag(family, r.tools, choice, r.constraint, parallel=r.parallel_tool_calls)
         constraint = r.constraint if tag is None else Constraint("structural_tag", json.dumps(tag))
-        return constraint, (None if choice.mode == "none" else ToolCallParser(family, [t.name for t in r.tools]))
+        if choice.mode == "none":
+            return constraint, None
+        return constraint, ToolCallParser(family, [t.name for t in choice.callable_tools(r.tools)])

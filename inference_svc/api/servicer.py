@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inference_svc.api.chat import ChatMessage
+from inference_svc.api.chat import ChatMessage, parse_template_kwargs
 from inference_svc.config import EngineConfig
 from inference_svc.api.frontend import ClientRequest, Frontend, ServingInfo, SubmittedRequest
 from inference_svc.engine.request import FinishReason, Output
@@ -103,7 +103,7 @@ def tool_choice(request: pb.GenerateRequest) -> ToolChoice | None:
     mode = _TOOL_CHOICE[c.mode]
     if mode != "named" and c.name:
         raise errors.InvalidRequestError(f"tool_choice.name is for TOOL_CHOICE_MODE_NAMED, not {mode}")
-    return ToolChoice(mode, c.name)
+    return ToolChoice(mode, c.name, tuple(c.allowed_tools))
 
 
 def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_len: int,
@@ -126,6 +126,8 @@ def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_
         tool_choice=tool_choice(request),
         reasoning=request.reasoning if request.HasField("reasoning") else None,
         max_thinking_tokens=request.max_thinking_tokens,
+        template_kwargs=parse_template_kwargs(request.chat_template_kwargs_json),
+        parallel_tool_calls=not request.HasField("parallel_tool_calls") or request.parallel_tool_calls,
         end_client=end_client,
     )
 
@@ -149,6 +151,8 @@ def response(out: Output, warnings: tuple[SchemaWarning, ...] = ()) -> pb.Genera
                          for w in warnings)
     for c in out.tool_calls:
         resp.tool_calls.add(id=c.id, name=c.name, arguments_json=c.arguments_json)
+    for d in out.tool_call_deltas:
+        resp.tool_call_deltas.add(index=d.index, id=d.id, name=d.name, arguments_fragment=d.arguments_fragment)
     if out.logprobs:
         resp.logprobs.extend(
             pb.TokenLogprob(token_id=lp.token_id, token_bytes=lp.token_bytes, logprob=lp.logprob, forced=lp.forced,

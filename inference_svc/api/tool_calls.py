@@ -8,7 +8,9 @@ whitespace, no properties beyond those listed), sent as the tag's
 `json_schema` parts so that the grammar tier compiles them with structd's
 JSON grammar (grammar_svc/compile/structural_tags.py). The answer text then holds
 the calls as markup; `ToolCallParser` cuts them out of the streamed text and
-returns each one whole, so a client never sees part of the markup.
+returns each one whole, so a client never sees part of the markup, and, for
+clients that stream a call's arguments as they are written (OpenAI's
+streamed tool_calls), the calls' pieces as their text arrives.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from inference_svc.api.model_family import ModelFamily, ToolCallFormat
-from inference_svc.types import Constraint, JsonOptions, ParsedToolCall
+from inference_svc.types import Constraint, JsonOptions, ParsedToolCall, ToolCallDelta
 from shared.errors import InvalidGrammarError, InvalidRequestError, RequestTooLargeError
 from shared.json_nesting import check_nesting
 from shared.xgrammar_messages import clean_message
@@ -90,6 +92,14 @@ class ToolSpec:
 class ToolChoice:
     mode: str = "auto"  # one of MODES
     name: str = ""  # mode "named": the tool to call
+    # Modes auto and required: the tools the model may call (OpenAI's allowed_tools); empty: all of them.
+    allowed: tuple[str, ...] = ()
+
+    def callable_tools(self, tools: Sequence[ToolSpec]) -> list[ToolSpec]:
+        """The tools the grammar lets the model call (all are still shown to it)."""
+        if self.mode == "named":
+            return [t for t in tools if t.name == self.name]
+        return [t for t in tools if t.name in self.allowed] if self.allowed else list(tools)
 
 
 def validate_tools(tools: Sequence[ToolSpec], choice: ToolChoice) -> None:
@@ -127,10 +137,18 @@ def validate_tools(tools: Sequence[ToolSpec], choice: ToolChoice) -> None:
                                   "a name goes with mode named only")
     if choice.mode in ("required", "named") and not tools:
         raise InvalidRequestError(f"tool_choice {choice.mode} needs at least one tool in tools")
+    if choice.allowed:
+        if choice.mode not in ("auto", "required"):
+            raise InvalidRequestError(f"tool_choice allowed_tools goes with mode auto or required, not {choice.mode}")
+        for name in choice.allowed:
+            if name not in seen:
+                raise InvalidRequestError(
+                    f"tool_choice allowed_tools names {name!r}, which is not among the request's tools"
+                    + (f" ({', '.join(sorted(seen))})" if seen else ""))
 
 
 def tool_call_structural_tag(family: ModelFamily | None, tools: Sequence[ToolSpec], choice: ToolChoice,
-                             answer: Constraint | None = None) -> dict | None:
+                             answer: Constraint | None = None, parallel: bool = True) -> dict | None:
     """The xgrammar structural tag (as a dict to json.dumps) for a request's tool calls, or None.
 
     auto: free text, in which every tool-call block is well formed and each
@@ -140,26 +158,32 @@ def tool_call_structural_tag(family: ModelFamily | None, tools: Sequence[ToolSpe
     block with exactly one call of that tool. The answer constraint does not
     apply to either (the model writes no text). None (tool_choice none, or
     auto without tools): the tools add nothing, and the request's own
-    constraint (if any) applies unchanged.
+    constraint (if any) applies unchanged. Only the choice's callable tools
+    (its allowed_tools) have calls in the grammar. `parallel` false: at most
+    one call in all, and the answer ends with it (xgrammar's
+    stop_after_first).
     """
     validate_tools(tools, choice)
     if choice.mode == "none" or not tools:
         return None
     fmt = _tool_format(family)
+    callable_tools = choice.callable_tools(tools)
     if choice.mode == "named":
-        (tool,) = (t for t in tools if t.name == choice.name)
+        (tool,) = callable_tools
         return _structural_tag(_block(fmt, _call_tag(fmt, tool)))
-    calls = _block(fmt, _calls(fmt, tools))
+    one = not parallel
+    calls = _block(fmt, _calls(fmt, callable_tools, one))
     if choice.mode == "required":
         return _structural_tag(calls)
     if answer is not None:
         return _structural_tag({"type": "or", "elements": [_answer_format(answer), calls]})
     excludes = [m for m in (family.think_start, family.think_end) if m]
     if fmt.block_begin:
-        auto = {"type": "triggered_tags", "triggers": [fmt.block_begin], "tags": [calls], "excludes": excludes}
+        auto = {"type": "triggered_tags", "triggers": [fmt.block_begin], "tags": [calls], "excludes": excludes,
+                "stop_after_first": one}
     else:
         auto = {"type": "triggered_tags", "triggers": [fmt.call_prefix],
-                "tags": [_call_tag(fmt, t) for t in tools], "excludes": excludes}
+                "tags": [_call_tag(fmt, t) for t in callable_tools], "excludes": excludes, "stop_after_first": one}
     return _structural_tag(auto)
 
 
@@ -180,10 +204,10 @@ def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> dict:
             "content": _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters"), "end": fmt.call_end}
 
 
-def _calls(fmt: ToolCallFormat, tools: Sequence[ToolSpec]) -> dict:
-    """One or more calls of any of `tools`, joined by the family's separator."""
+def _calls(fmt: ToolCallFormat, tools: Sequence[ToolSpec], one: bool = False) -> dict:
+    """One or more calls of any of `tools`, joined by the family's separator (`one`: exactly one)."""
     return {"type": "tags_with_separator", "tags": [_call_tag(fmt, t) for t in tools], "separator": fmt.separator,
-            "at_least_one": True}
+            "at_least_one": True, "stop_after_first": one}
 
 
 def _block(fmt: ToolCallFormat, calls: dict) -> dict:
@@ -321,6 +345,13 @@ class ToolCallParser:
     none, or no tools) is returned as content, never raised. Whitespace
     between calls and after the last one is layout, not content. With
     `tool_names`, a call of any other name is not a call.
+
+    `take_deltas` gives the pieces of the calls as their text arrived since
+    it was last called: a call's id and name once its name is complete, then
+    its arguments text (none of the end marker). Under the tool grammar
+    every call that starts completes, unless the response is cut short
+    (max_tokens): then its pieces so far were given and its markup comes
+    back as content.
     """
 
     def __init__(self, family: ModelFamily | None, tool_names: Collection[str] | None = None):
@@ -329,6 +360,11 @@ class ToolCallParser:
         self._buf = ""  # text received and not yet returned
         self._in_block = False  # between calls of a block: a separator and a call, or the block's end, is next
         self._after_call = False  # whitespace here is layout until other text shows it is content
+        self._num_calls = 0  # calls returned so far: the next call's index
+        self._deltas: list[ToolCallDelta] = []
+        # The call being read, once its name is known: its id and how much of its arguments text has been given.
+        self._open_id = ""
+        self._open_sent = 0
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         self._buf += text
@@ -337,6 +373,10 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """The rest: held text that never became a call is content."""
         return self._drain(final=True)
+
+    def take_deltas(self) -> list[ToolCallDelta]:
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def _drain(self, final: bool) -> tuple[str, list[ParsedToolCall]]:
         content: list[str] = []
@@ -418,17 +458,38 @@ class ToolCallParser:
         if not buf.startswith(fmt.name_suffix, name_end):
             return (more if _could_start(buf[name_end:], fmt.name_suffix) else "bad"), None, 0
         args_at = name_end + len(fmt.name_suffix)
-        head = buf[args_at:].lstrip()
+        rest = buf[args_at:]
+        head = rest.lstrip()
         if head and not head.startswith("{"):
             return "bad", None, 0
+        if not self._open_id:
+            self._open_id = "call_" + secrets.token_hex(12)
+            self._open_sent = 0
+            self._deltas.append(ToolCallDelta(self._num_calls, self._open_id, name))
+        args_at += len(rest) - len(head)  # the arguments' text starts at their "{"
         end = buf.find(fmt.call_end, args_at)
         while end >= 0:
             arguments = _json_object(buf[args_at:end])
             if arguments is not None:
-                call = ParsedToolCall("call_" + secrets.token_hex(12), name, arguments)
+                self._send_arguments(buf[args_at:end])
+                call = ParsedToolCall(self._open_id, name, arguments)
+                self._open_id = ""
+                self._num_calls += 1
                 return "call", call, end + len(fmt.call_end)
             end = buf.find(fmt.call_end, end + 1)  # the marker was inside the arguments (a string): look further
-        return more, None, 0
+        if final:
+            self._open_id = ""
+            return "bad", None, 0
+        # Every end marker so far was inside the arguments: all of the text is theirs but a tail that may yet
+        # become the marker.
+        self._send_arguments(buf[args_at:len(buf) - _held_tail(buf[args_at:], fmt.call_end)])
+        return "more", None, 0
+
+    def _send_arguments(self, text: str) -> None:
+        """Gives the open call's arguments text up to the end of `text` (all of it known to be theirs)."""
+        if len(text) > self._open_sent:
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=text[self._open_sent:]))
+            self._open_sent = len(text)
 
 
 def _could_start(text: str, marker: str) -> bool:

@@ -700,7 +700,8 @@ class Engine:
             finish = FinishReason.LENGTH
         if finish is None:
             self._deliver(req, Output(ids, piece.text, reasoning_text=piece.reasoning_text,
-                                      tool_calls=piece.tool_calls, logprobs=token_logprobs))
+                                      tool_calls=piece.tool_calls, logprobs=token_logprobs,
+                                      tool_call_deltas=piece.tool_call_deltas))
         else:
             self._finish(req, finish, token_ids=ids, piece=piece, logprobs=token_logprobs)
         return len(ids)
@@ -768,7 +769,8 @@ class Engine:
         if req.first_token_at is not None and req.num_output > 1:
             kind.tpot.observe((now - req.first_token_at) / (req.num_output - 1))
         output = Output(token_ids or [], piece.text, reason, req.usage(), error,
-                        reasoning_text=piece.reasoning_text, tool_calls=piece.tool_calls, logprobs=logprobs)
+                        reasoning_text=piece.reasoning_text, tool_calls=piece.tool_calls, logprobs=logprobs,
+                        tool_call_deltas=piece.tool_call_deltas)
         if error is not None and len(req.group) > 1:
             self.cancel(req)  # the call ends with this completion's error: the others' work is for nobody
         if reason is FinishReason.STOP and error is None and wants_check(req):

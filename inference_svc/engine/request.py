@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from inference_svc.engine.response_text import ResponseText
 from inference_svc.engine.sampling import RowSampler, SamplingOptions, TokenLogprob
 from inference_svc.grammar.grammar_link import GrammarLink
-from inference_svc.types import ParsedToolCall, SchemaCheck, SchemaWarning
+from inference_svc.types import ParsedToolCall, SchemaCheck, SchemaWarning, ToolCallDelta
 
 # Process-wide, so ids never repeat across engines in one process (tests run several).
 _seq_ids = itertools.count(1)
@@ -73,6 +73,7 @@ class Output:
     index: int = 0
     # The last output of the client's stream: of its last completion to finish, or an error.
     ends_stream: bool = False
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()  # the tool calls' pieces as their text arrived
 
 
 @dataclass

@@ -5,7 +5,8 @@ request that starts inside a think block (its prompt ended with the
 think-start token) writes thinking until the end-of-thinking token: those
 tokens go to `reasoning_text`, the end token to neither channel, everything
 after it to the answer. With tools, the answer's tool-call markup is cut out
-of the text by the family's `ToolCallParser` and comes back as whole calls.
+of the text by the family's `ToolCallParser` and comes back as whole calls,
+and as the calls' pieces (for clients that stream arguments) as they arrive.
 Stop strings apply to the answer only: thinking about a stop string does not
 end the response.
 """
@@ -16,7 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from inference_svc.engine.text_stream import TextStream
-from inference_svc.types import ParsedToolCall, ToolCallReader
+from inference_svc.types import ParsedToolCall, ToolCallDelta, ToolCallReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +28,12 @@ class Piece:
     reasoning_text: str = ""
     tool_calls: tuple[ParsedToolCall, ...] = ()
     stopped: bool = False  # a stop string matched in the answer: the response is done
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
 
     def __add__(self, other: Piece) -> Piece:
         return Piece(self.text + other.text, self.reasoning_text + other.reasoning_text,
-                     self.tool_calls + other.tool_calls, self.stopped or other.stopped)
+                     self.tool_calls + other.tool_calls, self.stopped or other.stopped,
+                     self.tool_call_deltas + other.tool_call_deltas)
 
 
 class ResponseText:
@@ -77,6 +80,7 @@ class ResponseText:
 
     def _answer_piece(self, text: str, thought: str, *, stopped: bool, final: bool = False) -> Piece:
         calls: tuple[ParsedToolCall, ...] = ()
+        deltas: tuple[ToolCallDelta, ...] = ()
         if self._tools is not None:
             text, found = self._tools.push(text)
             calls = tuple(found)
@@ -84,5 +88,6 @@ class ResponseText:
                 rest, found = self._tools.finish()
                 text += rest
                 calls += tuple(found)
+            deltas = tuple(self._tools.take_deltas())
             self.num_tool_calls += len(calls)
-        return Piece(text, thought, calls, stopped)
+        return Piece(text, thought, calls, stopped, deltas)
