@@ -1,0 +1,86 @@
+"""chat_template_kwargs through the official `openai` SDK: the request's own variables reach the chat template.
+
+A server started with its own --chat-template (a file written here) whose
+template reads two request variables: it refuses to render unless `secret`
+is "open" (raise_exception, whose message names the value it got) and writes
+`style` into the prompt. A name the template already uses for something of
+its own (messages, add_generation_prompt, bos_token, one of
+apply_chat_template's parameters) is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from structd.bench.harness import ServiceThread
+from tests.conftest import InferenceServerThread
+
+TEMPLATE = ("{% if secret != 'open' %}{{ raise_exception('secret is ' ~ secret) }}{% endif %}"
+            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+            "{% if m.get('reasoning') %}[thought: {{ m['reasoning'] }}]{% endif %}{% endfor %}"
+            "{% if style is defined %}<|style|>{{ style | join(',') if style is sequence and style is not string "
+            "else style }}{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+ASK = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def client(grammar_server, tmp_path_factory):
+    from gateway.config import GatewayConfig
+    from gateway.server import GatewayServer
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    template = tmp_path_factory.mktemp("template") / "kwargs.jinja"
+    template.write_text(TEMPLATE)
+    inference = InferenceServerThread(InferenceServiceConfig(
+        host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,), simulate_step_ms=1.0,
+        chat_template=template, engine=EngineConfig(max_num_seqs=4, default_max_tokens=4)))
+    gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference.target)),
+                            "gateway", start_timeout=60.0)
+    sdk = openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120.0)
+    yield sdk
+    sdk.close()
+    gateway.stop()
+    inference.stop()
+
+
+def create(client, **kwargs):
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=kwargs.pop("messages", ASK), max_tokens=2,
+                                          temperature=0, **kwargs)
+
+
+def prompt_tokens(client, kwargs) -> int:
+    return create(client, extra_body={"chat_template_kwargs": kwargs}).usage.prompt_tokens
+
+
+def test_the_template_reads_the_request_variables(client):
+    plain = prompt_tokens(client, {"secret": "open"})
+    styled = prompt_tokens(client, {"secret": "open", "style": "terse and formal, in five words"})
+    listed = prompt_tokens(client, {"secret": "open", "style": ["a", "b", "c", "d", "e", "f", "g", "h"]})
+    assert plain < styled and plain < listed, "style was written into the prompt"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    pytest.param({}, "secret is", id="missing"),
+    pytest.param({"secret": "shut"}, "secret is shut", id="wrong-value"),
+    pytest.param({"secret": "open", "messages": []}, "'messages' is one of the chat template's own variables",
+                 id="messages"),
+    pytest.param({"secret": "open", "add_generation_prompt": False}, "'add_generation_prompt'",
+                 id="add_generation_prompt"),
+    pytest.param({"secret": "open", "bos_token": "<x>"}, "'bos_token'", id="special-token"),
+    pytest.param({"secret": "open", "tokenize": True}, "'tokenize'", id="apply_chat_template-parameter"),
+    pytest.param({"secret": "open", "tools": []}, "'tools'", id="tools"),
+])
+def test_refusals_name_the_variable(client, kwargs, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt_tokens(client, kwargs)
+    assert message in str(e.value)
+
+
+def test_assistant_thinking_reaches_the_template_under_either_name(client):
+    extra = {"chat_template_kwargs": {"secret": "open"}}
+    counts = [create(client, extra_body=extra, messages=[
+        *ASK, {"role": "assistant", "content": "Hi", **fields}, {"role": "user", "content": "And?"}]).usage.prompt_tokens
+        for fields in ({}, {"reasoning": "a long chain of thought"}, {"reasoning_content": "a long chain of thought"})]
+    assert counts[0] < counts[1] == counts[2]
