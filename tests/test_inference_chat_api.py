@@ -99,6 +99,15 @@ def test_messages_prompt_and_token_ids_give_the_same_tokens(stub, template_token
                   "tool_choice": pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NAMED, name="nope")}, "nope",
                  id="named-tool-missing"),
     pytest.param({"messages": CHAT, "tools": [pb.Tool(name="bad name!")]}, "bad name!", id="bad-tool-name"),
+    pytest.param({"messages": CHAT, "tools": TOOLS, "tool_choice": pb.ToolChoice(
+        mode=pb.TOOL_CHOICE_MODE_AUTO, allowed_tools=["nope"])}, "allowed_tools names 'nope'",
+        id="allowed-tool-missing"),
+    pytest.param({"messages": CHAT, "chat_template_kwargs_json": '{"messages": 1}'},
+                 "'messages' is one of the chat template's own variables", id="template-kwarg-collides"),
+    pytest.param({"messages": CHAT, "chat_template_kwargs_json": "[1]"}, "chat_template_kwargs must be a JSON object",
+                 id="template-kwargs-not-an-object"),
+    pytest.param({"messages": CHAT, "chat_template_kwargs_json": '{"a b": 1}'}, "not a template variable name",
+                 id="template-kwarg-name"),
     pytest.param({"messages": CHAT, "tools": [pb.Tool(name="t", parameters_json_schema="{")]},
                  "tool 't': parameters is not valid JSON", id="tool-schema-not-json"),
     pytest.param({"prompt": "Hi", "reasoning": True}, "does not open a think block", id="reasoning-raw-prompt"),
@@ -175,6 +184,44 @@ def test_tool_calls_come_back_parsed_and_valid(stub, choice, names):
     assert len({c.id for c in calls}) == len(calls)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_tool_call_deltas_make_up_each_whole_call(stub, seed):
+    """gRPC clients keep whole calls in tool_calls; tool_call_deltas give the same calls in pieces, each call's
+    last piece no later than the call itself."""
+    responses, last = generate(stub, messages=CHAT, tools=TOOLS,
+                               tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+                               sampling=pb.SamplingParams(max_tokens=120, temperature=0.8, seed=seed))
+    pieces: dict[int, list[pb.ToolCallDelta]] = {}
+    whole: list[pb.ToolCall] = []
+    for r in responses:
+        for d in r.tool_call_deltas:
+            assert d.index >= len(whole), "no piece after its whole call"
+            pieces.setdefault(d.index, []).append(d)
+        whole += r.tool_calls
+    assert whole and sorted(pieces) == list(range(len(whole)))
+    for i, call in enumerate(whole):
+        head, *rest = pieces[i]
+        assert (head.id, head.name, head.arguments_fragment) == (call.id, call.name, "")
+        assert len(rest) > 1, "the arguments come as they are written"
+        assert json.loads("".join(d.arguments_fragment for d in rest)) == json.loads(call.arguments_json)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parallel_tool_calls_false_writes_one_call(stub, seed):
+    responses, last = generate(stub, messages=CHAT, tools=TOOLS, parallel_tool_calls=False,
+                               tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+                               sampling=pb.SamplingParams(max_tokens=120, temperature=1.0, seed=seed))
+    assert len(joined(responses, "tool_calls")) == 1 and last.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+
+
+def test_allowed_tools_are_the_only_ones_called(stub):
+    for seed in range(3):
+        responses, _ = generate(stub, messages=CHAT, tools=TOOLS, tool_choice=pb.ToolChoice(
+            mode=pb.TOOL_CHOICE_MODE_REQUIRED, allowed_tools=["get_time"]),
+            sampling=pb.SamplingParams(max_tokens=120, temperature=1.0, seed=seed))
+        assert {c.name for c in joined(responses, "tool_calls")} == {"get_time"}
+
+
 def test_tool_choice_none_calls_nothing(stub):
     responses, last = generate(stub, messages=CHAT, tools=TOOLS,
                                tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE),
@@ -189,3 +236,12 @@ def test_an_old_client_sees_no_new_fields(stub):
     for r in responses:
         assert not r.reasoning_text and not r.tool_calls and not r.logprobs
     assert last.usage.reasoning_tokens == 0
+
+
+def test_template_kwargs_past_their_limit_are_refused_naming_it(stub):
+    from inference_svc.api.chat import MAX_TEMPLATE_KWARGS_BYTES
+
+    code, details = status_of(stub, messages=CHAT,
+                              chat_template_kwargs_json=json.dumps({"style": "x" * MAX_TEMPLATE_KWARGS_BYTES}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "chat_template_kwargs" in details and str(MAX_TEMPLATE_KWARGS_BYTES) in details
