@@ -10,6 +10,7 @@ apply_chat_template's parameters) is refused with a 400 naming it.
 
 from __future__ import annotations
 
+import httpx2
 import openai
 import pytest
 
@@ -25,7 +26,7 @@ ASK = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def client(grammar_server, tmp_path_factory):
+def gateway_target(grammar_server, tmp_path_factory):
     from gateway.config import GatewayConfig
     from gateway.server import GatewayServer
     from inference_svc.config import EngineConfig, InferenceServiceConfig
@@ -37,11 +38,16 @@ def client(grammar_server, tmp_path_factory):
         chat_template=template, engine=EngineConfig(max_num_seqs=4, default_max_tokens=4)))
     gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference.target)),
                             "gateway", start_timeout=60.0)
-    sdk = openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120.0)
-    yield sdk
-    sdk.close()
+    yield gateway.target
     gateway.stop()
     inference.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway_target):
+    sdk = openai.OpenAI(base_url=f"http://{gateway_target}/v1", api_key="unused", max_retries=0, timeout=120.0)
+    yield sdk
+    sdk.close()
 
 
 def create(client, **kwargs):
@@ -59,6 +65,18 @@ def test_the_template_reads_the_request_variables(client):
     styled = prompt_tokens(client, {"secret": "open", "style": "terse and formal, in five words"})
     listed = prompt_tokens(client, {"secret": "open", "style": ["a", "b", "c", "d", "e", "f", "g", "h"]})
     assert plain < styled and plain < listed, "style was written into the prompt"
+
+
+def test_tokenize_renders_with_them_too(client, gateway_target):
+    kwargs = {"secret": "open", "style": "terse and formal, in five words"}
+    model = client.models.list().data[0].id
+    counted = httpx2.post(f"http://{gateway_target}/tokenize", timeout=60,
+                         json={"model": model, "messages": ASK, "chat_template_kwargs": kwargs})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == prompt_tokens(client, kwargs)
+    refused = httpx2.post(f"http://{gateway_target}/tokenize", timeout=60,
+                         json={"model": model, "messages": ASK, "chat_template_kwargs": {"secret": "shut"}})
+    assert refused.status_code == 400 and "secret is shut" in refused.text
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -43,6 +43,7 @@ def tokenize_request(body: Fields, served_model: str, request_id: str) -> pb.Tok
     req.tools.extend(chat.tools)
     if chat.HasField("reasoning"):
         req.reasoning = chat.reasoning
+    req.chat_template_kwargs_json = chat.chat_template_kwargs_json
     req.add_generation_prompt = body.boolean("add_generation_prompt", True)
     return req
 

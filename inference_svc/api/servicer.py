@@ -186,7 +186,8 @@ def tokenize_input(request: pb.TokenizeRequest, max_tool_bytes: int) -> Tokenize
         tools=tuple(tool(t) for t in request.tools),
         add_generation_prompt=request.add_generation_prompt if request.HasField("add_generation_prompt") else True,
         add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else True,
-        reasoning=request.reasoning if request.HasField("reasoning") else None)
+        reasoning=request.reasoning if request.HasField("reasoning") else None,
+        template_kwargs=parse_template_kwargs(request.chat_template_kwargs_json))
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):

@@ -12,8 +12,8 @@ proportion to the input) and refuse input past --max-prompt-bytes first.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from inference_svc.api.chat import NO_TEMPLATE, ChatMessage, ChatTemplate
 from inference_svc.api.tool_calls import ToolSpec
@@ -30,6 +30,7 @@ class TokenizeInput:
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     reasoning: bool | None = None
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)  # as ClientRequest's
 
 
 class Tokenization:
@@ -52,7 +53,7 @@ class Tokenization:
         if self.template is None or not self.template.available:
             raise errors.InvalidRequestError(NO_TEMPLATE)
         return await asyncio.to_thread(self._render_and_encode, r.messages, r.tools, r.reasoning,
-                                       r.add_generation_prompt)
+                                       r.add_generation_prompt, r.template_kwargs)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -76,7 +77,7 @@ class Tokenization:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _render_and_encode(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], reasoning: bool | None,
-                           add_generation_prompt: bool) -> list[int]:
+                           add_generation_prompt: bool, template_kwargs: Mapping[str, object]) -> list[int]:
         text = self.template.render(list(messages), list(tools), reasoning,
-                                    add_generation_prompt=add_generation_prompt)
+                                    add_generation_prompt=add_generation_prompt, template_kwargs=template_kwargs)
         return self._encode(text, False)
