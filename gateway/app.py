@@ -1,6 +1,7 @@
 """The gateway's HTTP surface: a Starlette app with the OpenAI routes, /health and /metrics.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST
+/v1/responses` (OpenAI's Responses API, stateless), `GET
 /v1/models` (and `/v1/models/{id}`), vLLM's `POST /tokenize` and `POST
 /detokenize`, `GET /health` (200 while the inference
 service answers SERVING, else 503) and `GET /metrics` (Prometheus), all on
@@ -31,7 +32,9 @@ from gateway.auth import ApiKeyMiddleware, ApiKeys, key_identity
 from gateway.exchange import CLIENT_GONE, ClientGone, EventStream, Record, collect, read, until_disconnect
 from gateway.intake import Intake, Translate
 from gateway.metrics import GatewayMetrics
+from gateway.responses_stream import ResponsesEventStream
 from gateway.translation.request import chat_request, completion_request
+from gateway.translation.responses import ResponsesReply, responses_request
 from gateway.translation.tokens import detokenize_reply, detokenize_request, tokenize_reply, tokenize_request
 from gateway.translation.response import ChatReply, CompletionReply, model_list, model_object
 from gateway.upstream import Upstream
@@ -66,6 +69,7 @@ class GatewayApp:
         return Starlette(middleware=self.middleware(), routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
@@ -99,13 +103,14 @@ class GatewayApp:
     # ------------------------------------------------------------------ completions
 
     async def _generate(self, request: Request, route: str, prefix: str, translate: Translate,
-                        reply_type: type[ChatReply] | type[CompletionReply]) -> Response:
+                        reply_type: type[ChatReply] | type[CompletionReply] | type[ResponsesReply],
+                        stream_type: type[EventStream] = EventStream) -> Response:
         record = Record(self.metrics, route)
         call = None
         streaming = False
         try:
             info = await self.upstream.model_info()
-            reply_id = f"{prefix}-{uuid.uuid4().hex}"
+            reply_id = f"{prefix}{uuid.uuid4().hex}"
             request_id = request.headers.get(REQUEST_ID_HEADER) or reply_id
             # Only the translation outlives the body: what the generation needs, not what the client sent.
             translated = await self.intake.translated(request, translate, info.model_id, request_id)
@@ -115,7 +120,7 @@ class GatewayApp:
             if translated.stream:
                 first = await until_disconnect(request.receive, read(call))
                 streaming = True
-                return EventStream(call, reply, first, record, self.api_error, headers)
+                return stream_type(call, reply, first, record, self.api_error, headers)
             result = await until_disconnect(request.receive, collect(call, reply))
             record.done(200)
             return JSONResponse(result, headers=headers)
@@ -129,10 +134,14 @@ class GatewayApp:
                 call.cancel()  # no-op once finished; stops the generation when we answer early
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "/v1/chat/completions", "chatcmpl", chat_request, ChatReply)
+        return await self._generate(request, "/v1/chat/completions", "chatcmpl-", chat_request, ChatReply)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "/v1/completions", "cmpl", completion_request, CompletionReply)
+        return await self._generate(request, "/v1/completions", "cmpl-", completion_request, CompletionReply)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/responses", "resp_", responses_request, ResponsesReply,
+                                    ResponsesEventStream)
 
     # ------------------------------------------------------------------ tokens
 

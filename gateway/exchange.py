@@ -138,12 +138,22 @@ class EventStream:
             self.call.cancel()
             self.record.done(self.status)
 
+    # The wire form of the events: OpenAI's chat and completion streams; /v1/responses has its own (a subclass).
+    def frame(self, event: dict[str, Any] | str) -> dict[str, Any]:
+        return sse(event)
+
+    def failure(self, error: ApiError) -> dict[str, Any]:
+        return error.body()
+
+    def closing(self) -> list[str]:
+        return ["[DONE]"]
+
     async def _pump(self, send: Send) -> None:
         resp, timed = self.first, False
         try:
             while True:
                 for chunk in self.reply.chunks(resp):
-                    await send(sse(chunk))
+                    await send(self.frame(chunk))
                 if resp.token_ids and not timed:
                     timed = True
                     self.record.first_token()
@@ -155,6 +165,7 @@ class EventStream:
         except Exception as e:  # noqa: BLE001 - the upstream's or ours: ends the stream with an error event
             error = self.to_api_error(e)
             self.status = error.status
-            await send(sse(error.body()))
-        await send(sse("[DONE]"))
+            await send(self.frame(self.failure(error)))
+        for event in self.closing():
+            await send(self.frame(event))
         await send({"type": "http.response.body", "body": b"", "more_body": False})

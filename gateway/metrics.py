@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Whole requests, from a cached /v1/models answer to minutes-long completions on a CPU.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
-STREAM_ROUTES = ROUTES[:2]
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize")
+STREAM_ROUTES = ROUTES[:3]
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 
 

@@ -31,13 +31,14 @@ from hypothesis import strategies as st
 from gateway.errors import ApiError, from_exception
 from gateway.intake import translate_body
 from gateway.translation.request import Translated, chat_request, completion_request
+from gateway.translation.responses import responses_request
 from shared import errors
 
 MODEL = "structd-embedded"
 LONG_RUN_EXAMPLES = int(os.environ.get("STRUCTD_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=LONG_RUN_EXAMPLES or 250, derandomize=not LONG_RUN_EXAMPLES, database=None,
                 deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-TRANSLATE = {"chat": chat_request, "completions": completion_request}
+TRANSLATE = {"chat": chat_request, "completions": completion_request, "responses": responses_request}
 
 # Every Unicode code point, unpaired surrogates included (json.dumps writes them as \ud800 escapes).
 texts = st.text(st.characters(codec=None, exclude_categories=()), max_size=12) | st.sampled_from(
@@ -108,6 +109,25 @@ completion_bodies = st.fixed_dictionaries({"prompt": texts | st.lists(counts, mi
     **common, "echo": st.just(False), "suffix": st.just(""), "best_of": st.just(1),
     "logprobs": st.integers(0, 20)})
 
+input_item = message | st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output",
+                                                                       "reasoning", "message"])}, optional={
+    "call_id": texts, "name": texts, "arguments": texts, "output": content, "role": texts,
+    "content": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                                        "reasoning_text"]), "text": texts}),
+                        max_size=2)})
+responses_bodies = st.fixed_dictionaries({"input": texts | st.lists(input_item, min_size=1, max_size=4)}, optional={
+    **{k: v for k, v in common.items() if k not in ("max_tokens", "n", "response_format")},
+    "instructions": texts, "max_output_tokens": counts, "store": st.booleans(),
+    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+        optional={"schema": schemas | schema_texts, "name": texts, "strict": st.booleans()})}),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": texts},
+                                            optional={"parameters": schemas | schema_texts}), max_size=3),
+    "tool_choice": st.sampled_from(["auto", "required", "none"]) | st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "allowed_tools"]), "name": texts},
+        optional={"mode": texts, "tools": st.lists(st.fixed_dictionaries({"name": texts}), max_size=2)}),
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "high", "x"])})})
+
 
 @st.composite
 def corrupted(draw, bodies):
@@ -157,7 +177,7 @@ def routed(route: str, bodies):
 
 
 bodies = st.one_of(
-    routed("chat", chat_bodies), routed("completions", completion_bodies),
+    routed("chat", chat_bodies), routed("completions", completion_bodies), routed("responses", responses_bodies),
     # Raw bytes: a truncated body, and bytes that are not JSON or not UTF-8.
     st.tuples(st.sampled_from(sorted(TRANSLATE)), chat_bodies.map(encoded).flatmap(
         lambda raw: st.integers(0, len(raw)).map(lambda n: raw[:n]))),
