@@ -9,8 +9,9 @@ from gateway import config
 from shared.entry import run_service, service_main
 
 HELP = "run the OpenAI-compatible HTTP gateway in front of an inference service"
-DESCRIPTION = ("Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/models) plus /health and "
-               "/metrics, translated to inference.v1 gRPC calls on --target.")
+DESCRIPTION = ("Serve the OpenAI HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, "
+               "/tokenize, /detokenize) plus /health and /metrics, translated to inference.v1 gRPC calls on "
+               "--target.")
 add_arguments = config.add_arguments
 
 
