@@ -337,14 +337,18 @@ def test_killed_workers_are_reaped_off_the_event_loop(capped, tokenizer_desc):
 
 
 def test_slow_schemas_do_not_starve_fast_ones(tokenizer_desc):
-    """One compile worker; two schemas far past their 4 s deadline take it first, then eight fast ones
-    arrive. Without extra lanes the fast ones wait behind both slow ones and fail "all busy"."""
+    """One compile worker; two schemas that compile for tens of seconds take it first, then eight fast ones
+    arrive. Without extra lanes the fast ones wait behind the slow ones past their own 30 s wait and fail
+    "all busy". The slow ones' 60 s deadlines leave a lane (a fork, then the 129k tokenizer, at worker nice on
+    a loaded machine) all the time it needs: at 4 s, under make test's load, the lanes sometimes came up too
+    late. The fast ones must all be answered while both slow ones are still compiling; then those are
+    cancelled (their workers killed as abandoned), so the test does not wait out their deadlines."""
     srv = start_grammar_server(compile_workers=1, compile_timeout_seconds=4.0)
     try:
         register(srv, tokenizer_desc)
         fp = tokenizer_desc.fingerprint
         run_tag = salt()
-        slow = [json_schema(TOO_SLOW_SCHEMA, f"hol-slow-{i}-{run_tag}") for i in range(2)]
+        slow = [very_slow(f"hol-slow-{i}-{run_tag}") for i in range(2)]
         fasts = [fast(f"hol-fast-{i}-{run_tag}") for i in range(8)]
 
         async def outcome(coro):
@@ -355,19 +359,21 @@ def test_slow_schemas_do_not_starve_fast_ones(tokenizer_desc):
                 return e.code(), e.details()
 
         async def go(client):
-            slow_tasks = [asyncio.ensure_future(outcome(client.compile(fp, s, timeout_seconds=4, rpc_timeout=120)))
+            slow_tasks = [asyncio.ensure_future(outcome(client.compile(fp, s, timeout_seconds=60, rpc_timeout=120)))
                           for s in slow]
             while compiling_worker(srv) is None:
                 await asyncio.sleep(0.02)
-            fast_results = await asyncio.gather(*[outcome(client.compile(fp, f, timeout_seconds=4, rpc_timeout=120))
+            fast_results = await asyncio.gather(*[outcome(client.compile(fp, f, timeout_seconds=30, rpc_timeout=120))
                                                   for f in fasts])
-            return await asyncio.gather(*slow_tasks), fast_results
+            slow_pending = [not t.done() for t in slow_tasks]
+            for t in slow_tasks:
+                t.cancel()
+            await asyncio.gather(*slow_tasks, return_exceptions=True)
+            return slow_pending, fast_results
 
-        slow_results, fast_results = call(srv, go)
+        slow_pending, fast_results = call(srv, go)
         assert fast_results == [("ok", "")] * len(fasts)
-        for code, details in slow_results:
-            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "compilation exceeded its 4 s deadline" in details  # its own deadline, not "all busy"
+        assert slow_pending == [True, True], "the fast compiles were answered only after a slow one ended"
         assert sample(srv, "grammar_svc_compile_failures_total", kind="json_schema", reason="busy") == 0
     finally:
         srv.stop()
