@@ -94,3 +94,18 @@ def test_unconstrained_rows_are_untouched():
     apply_masks(logits, [(1, None)], bitmask, bitmask, 64)
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.isinf(logits[1]).all()
+
+
+def test_allowed_ids_past_the_tokenizer_are_never_handed_to_the_sampler():
+    """A padded LM head (logits wider than the tokenizer): an allowed-id list that reaches past the tokenizer's
+    vocabulary gives the sampler only the ids under it, and a disallowed list leaves the padding at -inf."""
+    from shared.codec import SparseMask
+
+    vocab = 40
+    logits = torch.zeros(2, vocab + 24)
+    bitmask = torch.zeros((2, words_for_vocab(vocab + 24)), dtype=torch.int32)
+    allowed = SparseMask(allow=True, ids=np.array([3, 39, 40, 63], dtype=np.int64))
+    disallowed = SparseMask(allow=False, ids=np.array([5], dtype=np.int64))
+    restrict = apply_masks(logits, [(0, allowed), (1, disallowed)], bitmask, bitmask, vocab)
+    assert list(restrict) == [0] and restrict[0].tolist() == [3, 39]
+    assert torch.isinf(logits[1, vocab:]).all() and torch.isinf(logits[1, 5]) and not torch.isinf(logits[1, :5]).any()

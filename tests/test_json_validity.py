@@ -165,6 +165,11 @@ IF_THEN_PARTS = {"type": "object", "properties": {"m": {"type": "string"}}, "add
                            {"if": {"properties": {"m": {"const": "y"}}}, "then": {"required": ["m"]}}]}
 NOT_NUMBER = {"type": "object", "properties": {"foo": {"not": {"type": "number"}}}, "required": ["foo"]}
 PATTERN_AND_LENGTH = {"type": "string", "pattern": "^[a-z_.]+$", "maxLength": 4, "minLength": 2}
+# Each bound is tighter in one part than in the other: the merge keeps the larger lower and the smaller upper bound.
+ALL_OF_NUMBER_BOUNDS = {"allOf": [{"type": "integer", "minimum": 2, "maximum": 7},
+                                  {"minimum": 4, "maximum": 9, "exclusiveMaximum": 6}]}
+ALL_OF_LENGTH_BOUNDS = {"allOf": [{"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+                                  {"minItems": 2, "maxItems": 5}]}
 
 DOCUMENT_CASES = [
     pytest.param(OBJECT_WITH_ANY_OF, "5", False, id="any-of-root-bare-number"),
@@ -196,6 +201,13 @@ DOCUMENT_CASES = [
     pytest.param(PATTERN_AND_LENGTH, '"a_b"', True, id="pattern-within-lengths"),
     pytest.param(PATTERN_AND_LENGTH, '"abcde"', False, id="pattern-over-max-length"),
     pytest.param(PATTERN_AND_LENGTH, '"a"', False, id="pattern-under-min-length"),
+    pytest.param(ALL_OF_NUMBER_BOUNDS, "3", False, id="all-of-under-the-larger-minimum"),
+    pytest.param(ALL_OF_NUMBER_BOUNDS, "4", True, id="all-of-within-both-ranges"),
+    pytest.param(ALL_OF_NUMBER_BOUNDS, "6", False, id="all-of-at-the-exclusive-maximum"),
+    pytest.param(ALL_OF_NUMBER_BOUNDS, "8", False, id="all-of-over-the-smaller-maximum"),
+    pytest.param(ALL_OF_LENGTH_BOUNDS, "[1]", False, id="all-of-under-the-larger-min-items"),
+    pytest.param(ALL_OF_LENGTH_BOUNDS, "[1,2]", True, id="all-of-within-both-item-counts"),
+    pytest.param(ALL_OF_LENGTH_BOUNDS, "[1,2,3,4]", False, id="all-of-over-the-smaller-max-items"),
 ]
 
 
@@ -224,6 +236,12 @@ UNCHANGED = [
 def test_what_cannot_be_merged_exactly_is_left_as_written(schema):
     assert normalise_schema(schema) == schema
     assert normalised_schema_text(json.dumps(schema)) == json.dumps(schema)
+
+
+def test_all_of_bounds_merge_to_the_tighter_of_each():
+    merged = normalise_schema({"allOf": [{"type": "string", "minLength": 1, "maxLength": 9, "exclusiveMinimum": 0},
+                                         {"minLength": 3, "maxLength": 5, "exclusiveMinimum": 2}]})
+    assert (merged["minLength"], merged["maxLength"], merged["exclusiveMinimum"]) == (3, 5, 2)
 
 
 def test_draft_2019_ref_siblings_are_merged():

@@ -74,3 +74,5 @@ def test_codes_received_from_another_service_become_the_first_row_for_them():
     assert type(error_for_code(C.RESOURCE_EXHAUSTED.value[0], "m", errors.UnavailableError)) is errors.LimitExceededError
     # Another service's bug is this side's default, never INTERNAL.
     assert type(error_for_code(C.INTERNAL.value[0], "m", errors.UnavailableError)) is errors.UnavailableError
+    assert type(error_for_code(C.INTERNAL.value[0], "m", errors.CancelledError)) is errors.CancelledError
+    assert type(error_for_code(C.ABORTED.value[0], "m", errors.UnavailableError)) is errors.GrammarDesyncError
