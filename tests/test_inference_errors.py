@@ -65,6 +65,47 @@ def test_client_deadline_frees_the_request(inference_client, inference_server):
         time.sleep(0.05)
 
 
+# Matches nothing the model may write under DESYNC_REGEX: a session switched to it rejects the next token.
+OTHER_GRAMMAR = "z"
+DESYNC_REGEX = "[0-9]{300}"
+
+
+def _switch_grammar_of_live_sessions(grammar_server, regex: str) -> int:
+    """Gives each session on the replica that has accepted tokens, between two of its steps (under its stream's
+    lock), a matcher of another grammar: the replica's state diverges from the mask the engine last sampled under,
+    which no correct replica does, and the engine's handling of it is what is tested."""
+    import xgrammar as xgr
+
+    switched = 0
+    for stream in grammar_server.server.limiter.streams:
+        with stream.lock:
+            for session in list(stream._sessions.values()):
+                if session.num_accepted:
+                    other = xgr.GrammarCompiler(session.entry.tokenizer.info).compile_regex(regex)
+                    session.matcher = xgr.GrammarMatcher(other)
+                    switched += 1
+    return switched
+
+
+def test_a_token_the_grammar_rejects_fails_the_request_as_aborted(inference_server, grammar_server):
+    """The grammar-rejected-token path: GrammarDesyncError, ABORTED (safe to retry), the message names the token;
+    the request's grammar session and engine state are freed."""
+    with InferenceClient(inference_server.target) as client:
+        stream = client.generate("digits:", regex=DESYNC_REGEX, max_tokens=300, temperature=1.0, seed=7)
+        first = next(stream)
+        assert first.token_ids, "generating under the grammar"
+        assert _switch_grammar_of_live_sessions(grammar_server, OTHER_GRAMMAR) == 1
+        with pytest.raises(InferenceError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code == grpc.StatusCode.ABORTED, err.value
+    assert "the grammar rejected token" in err.value.message
+    wait_until(lambda: inference_server.run_sync(lambda: inference_server.server.engine.num_active) == 0,
+               "the rejected request still holds engine state")
+    get = grammar_server.server.metrics.registry.get_sample_value
+    wait_until(lambda: get("grammar_svc_active_sessions") == 0, "the rejected request's session was closed")
+
+
 # ------------------------------------------------ a simulated-runner server with tight limits
 
 # TOO_SLOW_SCHEMA compiles for tens of seconds, these tests' regexes in well under one: the deadline test
