@@ -257,6 +257,50 @@ def test_padded_vocabulary_is_never_sampled(own_grammar, padded_model_dir):
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def narrow_model_dir(tmp_path_factory):
+    """The embedded model with 64 fewer embedding and LM head rows than its tokenizer has tokens (a
+    mismatched checkpoint): the tokenizer's last 64 ids have no embedding."""
+    from inference_svc.model.embedded_model import DEFAULT_SPEC, ensure_embedded_model
+    from shared.tokenizer import load_hf_tokenizer
+
+    path = ensure_embedded_model(tmp_path_factory.mktemp("narrow"), spec=dataclasses.replace(DEFAULT_SPEC,
+                                                                                              vocab_padding=-64))
+    tokenizer = load_hf_tokenizer()
+    return path, len(tokenizer) - 64, tokenizer.convert_ids_to_tokens(len(tokenizer) - 1)
+
+
+def test_ids_past_the_embedding_are_refused_per_request(own_grammar, narrow_model_dir):
+    """An id the tokenizer has but the model cannot embed is an index error on the CPU and a device-side
+    assert on a GPU (which poisons the whole CUDA context): each request naming one is refused, and the
+    server goes on serving."""
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+    from shared.inference_client import InferenceError
+
+    path, rows, last_token = narrow_model_dir
+    cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(own_grammar.target,),
+                                 model=path, num_threads=1, kv_cache_bytes=16 * 1024**2,
+                                 engine=EngineConfig(max_num_seqs=4, default_max_tokens=8))
+    srv = InferenceServerThread(cfg)
+    try:
+        assert srv.run_sync(lambda: srv.server.engine.token_id_limit) == rows
+        with InferenceClient(srv.target) as client:
+            for prompt, kwargs, names in [
+                ([1, rows], {}, "prompt_token_ids"),
+                ("hi", dict(logit_bias={rows + 3: 5.0}), "logit_bias"),
+                ("hi", dict(stop_token_ids=[rows]), "stop_token_ids"),
+                (f"text with {last_token} in it", {}, "no embedding for"),
+            ]:
+                with pytest.raises(InferenceError) as refused:
+                    client.complete(prompt, max_tokens=4, **kwargs)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, (names, refused.value)
+                assert names in refused.value.message and str(rows - 1) in refused.value.message
+            out = client.complete([1, rows - 1], max_tokens=4, ignore_eos=True)
+            assert len(out.token_ids) == 4 and max(out.token_ids) < rows
+    finally:
+        srv.stop()
+
+
 # --------------------------------------------------------------------- the loop itself
 
 def test_a_dead_step_loop_turns_not_serving_and_fails_what_is_in_flight(own_grammar):

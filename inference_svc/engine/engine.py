@@ -148,6 +148,10 @@ class Engine:
         self._bitmask_np = self._bitmask_host.numpy()
         # Ids at or past this are padding of a model whose LM head is wider than its tokenizer: never sampled.
         self.tok_vocab_size = len(tokenizer.token_bytes)
+        # Ids a request may name (prompt, logit_bias, stop_token_ids): a token of the tokenizer that the model can
+        # embed and score. Past the embedding an id is an index error on the CPU and a device-side assert on a GPU,
+        # which poisons the whole CUDA context: refused per request instead.
+        self.token_id_limit = min(self.tok_vocab_size, runner.vocab_size, runner.embedding_rows)
         # Finished json_schema outputs wait here for their schema check, never in the step loop.
         self._checks = FinalChecks(grammar, metrics, config.schema_check_timeout_seconds) if grammar else None
         self._sampler = StepSampler(self.tok_vocab_size, tokenizer.eos_ids, self._bitmask_host, self._bitmask_dev)
@@ -238,7 +242,7 @@ class Engine:
         if self.num_active + self._tokenizing - len(self.scheduler.running) + options.n > self.config.max_waiting:
             raise errors.LimitExceededError(
                 f"{self.config.max_waiting} requests are already waiting; retry later or on another replica")
-        options.check_token_ids(self.tok_vocab_size)
+        options.check_token_ids(self.token_id_limit)
         prompt_ids = await self._prompt_ids(prompt)
         self._check_accepting()  # again: it may have started draining while the prompt was tokenized
         if len(prompt_ids) + options.max_tokens > self.max_model_len:
@@ -291,10 +295,10 @@ class Engine:
         if prompt.token_ids:
             if prompt.text:
                 raise errors.InvalidRequestError("give prompt text or prompt token ids, not both")
-            bad = [t for t in prompt.token_ids if not 0 <= t < self.tok_vocab_size]
+            bad = [t for t in prompt.token_ids if not 0 <= t < self.token_id_limit]
             if bad:
                 raise errors.InvalidRequestError(
-                    f"prompt_token_ids: {bad[0]} is not a token id of this model (0 to {self.tok_vocab_size - 1})"
+                    f"prompt_token_ids: {bad[0]} is not a token id of this model (0 to {self.token_id_limit - 1})"
                     + (f", and {len(bad) - 1} more" if len(bad) > 1 else ""))
             return list(prompt.token_ids)
         if not prompt.text:
@@ -306,9 +310,15 @@ class Engine:
                 "(--max-prompt-bytes)")
         self._tokenizing += 1
         try:
-            return list(await asyncio.to_thread(self.tok.encode, prompt.text, not prompt.templated))
+            ids = list(await asyncio.to_thread(self.tok.encode, prompt.text, not prompt.templated))
         finally:
             self._tokenizing -= 1
+        if ids and max(ids) >= self.token_id_limit:
+            # The tokenizer has tokens the model has no embedding for (a mismatched checkpoint): this text uses one.
+            raise errors.InvalidRequestError(
+                f"the prompt tokenizes to id {max(ids)}, which this model has no embedding for (its ids are 0 to "
+                f"{self.token_id_limit - 1}): the served tokenizer is larger than the model; avoid that token")
+        return ids
 
     def _thinking_for(self, prompt_ids: list[int], reasoning: bool | None, budget: int) -> Thinking | None:
         """A request thinks when its prompt opened a think block (the template did, or the client)."""

@@ -68,6 +68,10 @@ class ModelRunner(Protocol):
         """Width of the logits rows (may exceed the tokenizer's length when the model pads its vocabulary)."""
 
     @property
+    def embedding_rows(self) -> int:
+        """Ids the model can take as input (its input embedding's rows)."""
+
+    @property
     def device(self) -> torch.device: ...
 
     @property
@@ -118,6 +122,8 @@ class PagedModelRunner:
         model.eval()
         self._device = next(model.parameters()).device
         self._vocab_size = model.get_output_embeddings().weight.shape[0]
+        # num_embeddings, not the weight's rows: a tensor-parallel plan may shard the weight, never the count.
+        self._embedding_rows = model.get_input_embeddings().num_embeddings
         # Slicing hidden states before the LM head avoids 129k-wide logits for
         # every prompt token; models whose forward lacks it get full logits, sliced after.
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -152,6 +158,11 @@ class PagedModelRunner:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def embedding_rows(self) -> int:
+        """Ids the input embedding has a row for: a prompt id at or past it is out of range on the device."""
+        return self._embedding_rows
 
     @property
     def device(self) -> torch.device:

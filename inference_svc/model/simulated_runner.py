@@ -57,6 +57,10 @@ class SimulatedRunner:
         return self._vocab_size
 
     @property
+    def embedding_rows(self) -> int:
+        return self._vocab_size
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 

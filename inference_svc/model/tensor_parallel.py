@@ -114,6 +114,10 @@ class TensorParallelRunner:
         return self.runner.vocab_size
 
     @property
+    def embedding_rows(self) -> int:
+        return self.runner.embedding_rows
+
+    @property
     def device(self) -> torch.device:
         return self.runner.device
 
