@@ -2,7 +2,7 @@
 
 Seen from the inference service itself: its engine's active requests drop
 back to zero long before the request's 3,000 tokens, and its requests counter
-records the request as cancelled. The gateway counts the disconnect.
+records the request as cancelled. The gateway counts the disconnect; a constrained request's grammar session is closed on its replica.
 """
 
 from __future__ import annotations
@@ -60,3 +60,27 @@ def test_leaving_a_non_streamed_request_cancels_the_call(gateway_server, inferen
     wait_until(lambda: active(inference_server) == 0, "the engine dropped the request", timeout=60)
     wait_until(lambda: cancelled(inference_server) == before + 1, "counted as cancelled by the inference service")
     wait_until(lambda: disconnects(gateway_server, "/v1/chat/completions") == gone + 1, "counted by the gateway")
+
+
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1000,
+          "maxItems": 1000}
+
+
+def test_closing_a_constrained_stream_frees_its_grammar_session(gateway_server, gateway_url, inference_server,
+                                                                 grammar_server, served_model, idle):
+    sessions = lambda: grammar_server.server.metrics.registry.get_sample_value("grammar_svc_active_sessions")  # noqa: E731
+    get = inference_server.server.metrics.registry.get_sample_value
+    labels = {"constrained": "true", "finish_reason": "cancelled"}
+    wait_until(lambda: sessions() == 0, "earlier tests' grammar sessions closed", timeout=10)
+    before = get("inference_svc_requests_total", labels) or 0.0
+    body = {"model": served_model, "messages": [{"role": "user", "content": "Digits"}], "stream": True,
+            "max_tokens": 3000, "response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": "digits", "schema": DIGITS}}}
+    with httpx2.stream("POST", f"{gateway_url}/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())  # generating now, under its grammar session
+        assert active(inference_server) == 1 and sessions() == 1
+    wait_until(lambda: active(inference_server) == 0, "the engine dropped the request", timeout=60)
+    wait_until(lambda: (get("inference_svc_requests_total", labels) or 0.0) == before + 1,
+               "counted as a cancelled constrained request")
+    wait_until(lambda: sessions() == 0, "the grammar session was closed on the replica", timeout=10)
