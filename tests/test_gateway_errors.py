@@ -130,3 +130,44 @@ def test_a_gateway_bug_is_a_500_with_an_incident_id():
     error = from_exception(RuntimeError("secret internals"))
     assert (error.status, error.type) == (500, "server_error")
     assert "incident" in error.message and "secret" not in error.message
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(grammar_server):
+    """After the headers (200, text/event-stream) the status can no longer change: the stream's last chunk is an
+    OpenAI error object, then [DONE]. Its own servers: the engine's core process is killed (SIGKILL) under it."""
+    import json
+    import os
+    import signal
+
+    from gateway.config import GatewayConfig
+    from gateway.server import GatewayServer
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+    from structd.bench.harness import ServiceThread
+    from tests.conftest import InferenceServerThread, wait_until
+
+    cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,),
+                                 simulate_step_ms=5.0, grace_seconds=1.0,
+                                 engine=EngineConfig(max_num_seqs=4, default_max_tokens=32))
+    inference = InferenceServerThread(cfg, engine_process="on", start_timeout=180.0)
+    gateway = None
+    try:
+        gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference.target)),
+                                "gateway", start_timeout=60.0)
+        body = {"model": "any", "prompt": "Go on:", "stream": True, "max_tokens": 5000, "ignore_eos": True}
+        body["model"] = httpx2.get(f"http://{gateway.target}/v1/models", timeout=30).json()["data"][0]["id"]
+        with httpx2.stream("POST", f"http://{gateway.target}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # streaming now
+            wait_until(lambda: inference.run_sync(lambda: inference.server.engine.num_active) == 1, "generating")
+            os.kill(inference.server.engine._process.pid, signal.SIGKILL)
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert_openai_shaped(last, "service_unavailable_error")
+        assert "retry" in last["error"]["message"]
+        assert all("error" not in json.loads(e) for e in events[:-2])
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        inference.stop()
