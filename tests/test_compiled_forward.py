@@ -173,3 +173,35 @@ def test_compile_flags(argv, env, device, mode, buckets):
 def test_compile_flag_problems(argv, message):
     with pytest.raises(SystemExit, match=message):
         _config(argv)
+
+
+@pytest.mark.parametrize("mode, partition, refused", [
+    pytest.param("reduce-overhead", True, False, id="graphs-with-partitioning"),
+    pytest.param("reduce-overhead", False, True, id="graphs-without-partitioning"),
+    pytest.param("max-autotune", False, True, id="autotune-graphs-without-partitioning"),
+    pytest.param("max-autotune-no-cudagraphs", False, False, id="no-graphs"),
+    pytest.param(None, False, False, id="cpu-default"),
+])
+def test_cuda_graphs_need_graph_partitioning(mode, partition, refused):
+    """Without partitioning the opaque attention op would be captured with one step's KV slots and replayed
+    on every later step: a start-up error, never silently wrong answers."""
+    import torch._inductor.config as inductor_config
+
+    from inference_svc.model.compiled_forward import check_graph_partition
+
+    with inductor_config.patch(graph_partition=partition):
+        if refused:
+            with pytest.raises(RuntimeError, match="graph partitioning"):
+                check_graph_partition(mode)
+        else:
+            check_graph_partition(mode)
+
+
+def test_the_model_loads_on_the_thread_that_runs_its_forwards(inference_server):
+    """CUDA graph trees and the current CUDA device are per thread: the model is loaded (and its graphs
+    warmed up) on the engine's device thread, the one every forward runs on."""
+    import threading
+
+    engine = inference_server.server.engine
+    forward_thread = engine._executor.submit(lambda: threading.current_thread().name).result(30)
+    assert inference_server.server.stack.loaded_on == forward_thread

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from inference_svc.config import InferenceServiceConfig
@@ -73,6 +75,10 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     device = config.device or default_device()
     if device == "cpu":
         torch.set_num_threads(config.torch_threads())
+    elif device.startswith("cuda") and rank is None:
+        # On this thread, the one that runs the forwards: kernels launched without an explicit device (xgrammar's
+        # mask kernel, a new stream) go to --device's GPU, not to cuda:0. (A tensor-parallel rank: init_group.)
+        torch.cuda.set_device(torch.device(device))
     if rank is not None:
         init_group(rank, "cuda" if device.startswith("cuda") else "cpu")
         source = resolve_on_group(config.model, rank.rank, source, embedded_cache_dir=config.model_cache_dir)
@@ -175,13 +181,27 @@ class EngineAssembly:
         # The model's tokenizer, once built (the API side's Tokenize and Detokenize use it).
         self.tokenizer = None
         self._maintain: asyncio.Task | None = None
+        # The thread the model was loaded on: the engine's device thread, which runs every forward.
+        self.loaded_on: str | None = None
 
     async def build(self) -> ServedModel:
         """Loads the model and builds the engine (not started: see connect and start)."""
         from shared.tokenizer import describe
 
         c = self.config
-        runner, tok, eos_ids, max_model_len, info = await asyncio.to_thread(load_runner, c, self.rank, self.source)
+        # The model loads (and the compiled body warms up) on the thread that will run every forward: CUDA graph
+        # trees keep per-thread state, and the current CUDA device is per thread too (load_runner sets it).
+        device_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
+        def load():
+            self.loaded_on = threading.current_thread().name
+            return load_runner(c, self.rank, self.source)
+
+        try:
+            runner, tok, eos_ids, max_model_len, info = await asyncio.get_running_loop().run_in_executor(
+                device_thread, load)
+        except BaseException:  # the model's failure to load (reported by the caller): no thread left behind
+            device_thread.shutdown(wait=False)
+            raise
         self.runner = runner
         log.info("model %s ready in %.1f s (served as %s; vocab %d; %s)", info.source.model_id, info.load_seconds,
                  info.served_name, runner.vocab_size,
@@ -194,7 +214,8 @@ class EngineAssembly:
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)
         self.engine = Engine(runner=runner, tokenizer=view, grammar=self.grammar, config=c.engine,
-                             metrics=self.metrics, max_model_len=max_model_len, on_fatal=self.on_fatal)
+                             metrics=self.metrics, max_model_len=max_model_len, on_fatal=self.on_fatal,
+                             device_thread=device_thread)
         self.served = ServedModel(info, self.engine.max_model_len, len(view.token_bytes))
         return self.served
 

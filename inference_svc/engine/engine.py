@@ -116,7 +116,9 @@ class Prompt:
 class Engine:
     def __init__(self, *, runner: ModelRunner, tokenizer: TokenizerView, grammar: GrammarTier | None,
                  config: EngineConfig, metrics: InferenceMetrics, max_model_len: int,
-                 on_fatal: Callable[[BaseException | None], None] | None = None):
+                 on_fatal: Callable[[BaseException | None], None] | None = None,
+                 device_thread: ThreadPoolExecutor | None = None):
+        """device_thread: the one-thread executor the runner was loaded on (the engine owns it from here)."""
         self.runner = runner
         self.tok = tokenizer
         self.grammar = grammar
@@ -136,8 +138,9 @@ class Engine:
         self._closing = False
         self.dead = False
         # One thread: the device does one thing at a time, and torch ops release the GIL,
-        # so the event loop keeps serving gRPC and reading grammar answers meanwhile.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
+        # so the event loop keeps serving gRPC and reading grammar answers meanwhile. The one the model was
+        # loaded and its graphs warmed on, where there was one (CUDA graph trees are per thread).
+        self._executor = device_thread or ThreadPoolExecutor(1, thread_name_prefix="engine-device")
         words = words_for_vocab(runner.vocab_size)
         self._bitmask_host = torch.zeros((config.max_num_seqs, words), dtype=torch.int32)
         if runner.device.type == "cuda":

@@ -67,6 +67,19 @@ def inductor_mode(mode: str, device: torch.device) -> str | None:
     return None if mode == "default" else "max-autotune-no-cudagraphs"
 
 
+def check_graph_partition(inductor_mode_name: str | None) -> None:
+    """Refuses CUDA graphs without inductor's graph partitioning: only partitioning keeps the opaque attention
+    op out of the captured graphs; captured, it would replay one step's KV slots on every later step."""
+    import torch._inductor.config as inductor_config
+
+    graphs = inductor_mode_name in ("reduce-overhead", "max-autotune")
+    if graphs and not getattr(inductor_config, "graph_partition", False):
+        raise RuntimeError(
+            "--compile with CUDA graphs needs inductor's graph partitioning (torch._inductor.config."
+            "graph_partition), which is off or missing in this torch: the paged attention op would be captured "
+            "with one step's KV slots; use --compile off, or a torch with graph partitioning on")
+
+
 # The step being run by the compiled body: (context, real token count). Module state rather than a graph
 # input, so the compiled graph neither traces nor guards on it; only the engine's forward thread sets it.
 _step = threading.local()
@@ -160,8 +173,13 @@ class CompiledBody:
         # class shares: each installed body adds its buckets to dynamo's limit (past it, fullgraph fails).
         torch._dynamo.config.recompile_limit += len(self.buckets)
         torch._dynamo.config.accumulated_recompile_limit += len(self.buckets)
-        self._compiled = torch.compile(self._eager, mode=inductor_mode(settings.mode, self.device),
-                                       dynamic=False, fullgraph=True)
+        mode = inductor_mode(settings.mode, self.device)
+        check_graph_partition(mode)
+        # CUDA graph trees keep per-thread state: graphs recorded on one thread are recorded again (and a second
+        # pool kept) when another replays them; forwards must run where warm_up ran.
+        self._graphs = mode in ("reduce-overhead", "max-autotune")
+        self._warmed_on: threading.Thread | None = None
+        self._compiled = torch.compile(self._eager, mode=mode, dynamic=False, fullgraph=True)
         model.set_attn_implementation(register_op_attention())
         body.forward = self.forward
 
@@ -183,12 +201,19 @@ class CompiledBody:
         started = time.perf_counter()
         say(f"compiling the model body ({self.settings.mode}) for {len(self.buckets)} token buckets "
             f"{list(self.buckets)}, cache {self.settings.cache_dir}")
+        self._warmed_on = threading.current_thread()
+        # Under CUDA graphs a bucket's first run is cudagraph trees' warm-up and its second records the graph:
+        # two runs here, so no request pays for a recording.
+        runs = 2 if self._graphs else 1
         for i, size in enumerate(self.buckets, 1):
             t0 = time.perf_counter()
             # Inference tensors, as the runner's are: dynamo guards on the dispatch keys too.
             with torch.inference_mode():
                 ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
-                self._run(self._compiled, _WARMUP, size, **self._plain_call(ids, ids.clone()))
+                for _ in range(runs):
+                    if self._graphs:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    self._run(self._compiled, _WARMUP, size, **self._plain_call(ids, ids.clone()))
             say(f"  bucket {size:>4} tokens compiled ({i}/{len(self.buckets)}, {time.perf_counter() - t0:.1f} s)")
         say(f"model body compiled in {time.perf_counter() - started:.1f} s")
 
@@ -209,6 +234,10 @@ class CompiledBody:
             # Token 0 at position 0: any valid id and position; the op drops these rows before attention.
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             position_ids = torch.nn.functional.pad(position_ids, (0, pad))
+        if self._graphs and threading.current_thread() is not self._warmed_on:
+            raise RuntimeError(
+                f"compiled body warmed up on thread {getattr(self._warmed_on, 'name', None)!r} but run on "
+                f"{threading.current_thread().name!r}: CUDA graphs must replay on the thread that recorded them")
         if self.device.type == "cuda":
             # Each step is a new iteration of the captured graphs (their earlier outputs may be overwritten).
             torch.compiler.cudagraph_mark_step_begin()

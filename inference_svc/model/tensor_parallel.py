@@ -94,11 +94,15 @@ def init_group(info: RankInfo, device_type: str) -> None:
     for name, value in (("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank),
                         ("MASTER_ADDR", info.master_addr), ("MASTER_PORT", info.master_port)):
         os.environ.setdefault(name, str(value))
+    # device_id binds NCCL's communicator to this rank's GPU at once; without it NCCL guesses the device
+    # from the current one on first use, which may be cuda:0 on a thread that never set it.
+    device_id = None
     if device_type == "cuda":
-        torch.cuda.set_device(info.local_rank)
+        device_id = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device_id)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=info.rank,
                             world_size=info.world_size, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                            timeout=GROUP_TIMEOUT)
+                            timeout=GROUP_TIMEOUT, device_id=device_id)
     log.info("tensor-parallel rank %d of %d joined", info.rank, info.world_size)
 
 
