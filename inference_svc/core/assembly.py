@@ -75,9 +75,10 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     device = config.device or default_device()
     if device == "cpu":
         torch.set_num_threads(config.torch_threads())
-    elif device.startswith("cuda") and rank is None:
+    elif device.startswith("cuda") and rank is None and torch.device(device).index is not None:
         # On this thread, the one that runs the forwards: kernels launched without an explicit device (xgrammar's
-        # mask kernel, a new stream) go to --device's GPU, not to cuda:0. (A tensor-parallel rank: init_group.)
+        # mask kernel, a new stream) go to --device's GPU, not to cuda:0 (plain "cuda" is cuda:0 already; a
+        # tensor-parallel rank sets its own in init_group).
         torch.cuda.set_device(torch.device(device))
     if rank is not None:
         init_group(rank, "cuda" if device.startswith("cuda") else "cpu")
