@@ -10,6 +10,7 @@ in the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -42,6 +43,20 @@ def _stop_all(srv, replicas: list[ChildService]) -> None:
         r.stop()
 
 
+def _two_replicas(tmp_path) -> list[ChildService]:
+    """Two grammar replicas, started side by side (each start mostly waits on its own imports and workers);
+    if one cannot start, the other is stopped."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(ChildService, ["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log")
+                  for i in range(2)]
+        concurrent.futures.wait(starts)
+    started = [f.result() for f in starts if f.exception() is None]
+    if len(started) < 2:
+        _stop_all(None, started)
+        raise next(f.exception() for f in starts if f.exception() is not None)
+    return started
+
+
 def _valid_digits(text: str) -> bool:
     values = json.loads(text)
     return len(values) == 40 and all(0 <= v <= 9 for v in values)
@@ -54,7 +69,7 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
     finishes valid on the other one, and a frozen replica is given up after the step deadline, not 30 s."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
-    replicas = [ChildService(["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log") for i in range(2)]
+    replicas = _two_replicas(tmp_path)
     srv = None
     try:
         cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
@@ -110,7 +125,7 @@ def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(tmp_path, 
     # A shorter margin than the service's (each frozen replica is waited out once): the live replica's compile
     # of a three-digit regex is bounded by its own 1 s deadline, and 2 s more still covers the round trip.
     monkeypatch.setattr(grammar_tier, "COMPILE_RPC_MARGIN_SECONDS", 2.0)
-    replicas = [ChildService(["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log") for i in range(2)]
+    replicas = _two_replicas(tmp_path)
     srv = None
     try:
         cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
