@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_svc.api.model_family import bundled_names
 from inference_svc.model.model_loading import DTYPES, reference_problem
 from shared.flags import FlagSet
 from shared.tls import (ClientTls, ServerTls, add_client_flags, add_server_flags, client_tls_from_args,
@@ -271,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
           kind=Path)
     f.add("--model-family", d.model_family,
           "thinking and tool-call format: auto (detected from the tokenizer), none, a bundled family "
-          "(deepseek, qwen) or a family JSON file")
+          f"({', '.join(bundled_names())}) or a family JSON file")
     f.add("--lm-head-kernel", d.lm_head_kernel,
           "auto: on the CPU in float32 the LM head runs through oneDNN over a copy of its weight reordered at "
           "start-up (faster; one more copy of the head in memory), elsewhere F.linear; plain: always F.linear")

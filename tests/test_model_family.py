@@ -21,7 +21,7 @@ QWEN_TOKENS = {"<tool_call>": 151657, "</tool_call>": 151658, "<think>": 151667,
 
 
 def test_bundled_families_load():
-    assert bundled_names() == ["deepseek", "qwen"]
+    assert bundled_names() == ["deepseek", "deepseek_r1", "exaone", "gpt_oss", "kimi_k2", "llama3", "qwen"]
     deepseek = load_family("deepseek")
     assert (deepseek.think_start, deepseek.think_end) == ("<think>", "</think>")
     assert deepseek.tool_calls == ToolCallFormat(
@@ -85,6 +85,14 @@ VALID_TOOLS = {"call_begin": "<c>{name}:", "call_end": "</c>"}
                  "must contain {name} exactly once", id="no-name-placeholder"),
     pytest.param({"name": "x", "tool_calls": {"call_begin": "<c>{name}", "call_end": "</c>"}},
                  "must have text after {name}", id="name-runs-into-arguments"),
+    pytest.param({"name": "x", "tool_calls": {"call_begin": "<c>{name}{index}:", "call_end": "</c>"}},
+                 "must have text after {name}", id="name-runs-into-index"),
+    pytest.param({"name": "x", "tool_calls": {"call_begin": "<c>{index}:{name}:", "call_end": "</c>"}},
+                 "{index} may appear once, in 'tool_calls.call_begin' after {name}", id="index-before-name"),
+    pytest.param({"name": "x", "tool_calls": {"call_begin": "<c>{name}:{index}:{index}", "call_end": "</c>"}},
+                 "{index} may appear once", id="two-indexes"),
+    pytest.param({"name": "x", "tool_calls": {**VALID_TOOLS, "call_end": "</c{index}>"}},
+                 "{index} may appear once, in 'tool_calls.call_begin'", id="index-in-call-end"),
     pytest.param({"name": "x", "tool_calls": {"call_begin": "{name}:", "call_end": "</c>"}},
                  "must start with text before {name}", id="nothing-marks-a-call"),
     pytest.param({"name": "x", "tool_calls": {**VALID_TOOLS, "block_begin": "<b>"}},
@@ -104,5 +112,5 @@ def test_a_bad_family_file_is_refused_naming_the_file_and_field(tmp_path, conten
 
 
 def test_an_unknown_family_name_lists_the_bundled_ones():
-    with pytest.raises(ModelFamilyError, match="unknown model family 'llama9': give one of deepseek, qwen"):
+    with pytest.raises(ModelFamilyError, match="unknown model family 'llama9': give one of deepseek, deepseek_r1, "):
         load_family("llama9")

@@ -21,7 +21,9 @@ A model's answer holds its calls as `block_begin`, then one or more calls
 `call_begin` (with the tool's name for `{name}`), the arguments object as
 JSON, `call_end`, joined by `separator`, then `block_end`. A family without
 a block (both empty) writes each call on its own, `separator` between
-consecutive calls. `think` and `tool_calls` are optional: a family may have
+consecutive calls. `call_begin` may also hold `{index}` after the name, where
+the model writes the call's number (Kimi K2's `functions.NAME:0`): digits,
+which the parser reads and does not return. `think` and `tool_calls` are optional: a family may have
 neither thinking nor tools. `detect_tokens` are the strings that must all be
 single tokens of a tokenizer's vocabulary for `detect_family` to pick the
 family; the bundled families are tried in file-name order.
@@ -36,6 +38,7 @@ from pathlib import Path
 
 FAMILY_DIR = Path(__file__).parent.parent / "model_families"
 NAME_FIELD = "{name}"
+INDEX_FIELD = "{index}"
 
 _TOP_FIELDS = {"name": str, "description": str, "detect_tokens": list, "think": dict, "tool_calls": dict}
 _THINK_FIELDS = {"start": str, "end": str}
@@ -63,8 +66,14 @@ class ToolCallFormat:
 
     @property
     def name_suffix(self) -> str:
-        """The text of `call_begin` after the tool's name."""
-        return self.call_begin.split(NAME_FIELD, 1)[1]
+        """The text of `call_begin` after the tool's name (up to the index, in a format with one)."""
+        return self.call_begin.split(NAME_FIELD, 1)[1].split(INDEX_FIELD, 1)[0]
+
+    @property
+    def index_suffix(self) -> str | None:
+        """The text of `call_begin` after the call's index; None: the format writes no index."""
+        parts = self.call_begin.split(INDEX_FIELD, 1)
+        return parts[1] if len(parts) == 2 else None
 
     @property
     def trigger(self) -> str:
@@ -72,7 +81,13 @@ class ToolCallFormat:
         return self.block_begin or self.call_prefix
 
     def begin_for(self, name: str) -> str:
+        """The call's text before its arguments (before its index, in a format with one)."""
         return self.call_prefix + name + self.name_suffix
+
+    def call_text(self, name: str, arguments: str, index: int = 0) -> str:
+        """One whole call as the model writes it."""
+        number = "" if self.index_suffix is None else f"{index}{self.index_suffix}"
+        return self.begin_for(name) + number + arguments + self.call_end
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,19 @@ class ModelFamily:
             return None
         start, end = vocab.get(self.think_start), vocab.get(self.think_end)
         return None if start is None or end is None else (start, end)
+
+    def markup_ids(self, tokens: Mapping[int, str]) -> frozenset[int]:
+        """Of `tokens` (id -> text), those whose text is part of the tool-call markup.
+
+        Kimi's and gpt-oss's tokenizers mark their tool-call tokens special,
+        and decoding drops special tokens: these must stay in the answer's
+        text for the parser to find the calls.
+        """
+        if self.tool_calls is None:
+            return frozenset()
+        f = self.tool_calls
+        markup = (f.block_begin, f.call_begin, f.call_end, f.separator, f.block_end)
+        return frozenset(i for i, text in tokens.items() if text and any(text in m for m in markup))
 
 
 def bundled_names() -> list[str]:
@@ -157,7 +185,12 @@ def _tool_format(data: object, source: str) -> ToolCallFormat:
         raise ModelFamilyError(
             f"{source}: field 'tool_calls.call_begin' must contain {NAME_FIELD} exactly once (where the tool's name "
             f"goes), got {f['call_begin']!r}")
-    if not f["call_begin"].split(NAME_FIELD, 1)[1]:
+    for key, value in f.items():
+        if INDEX_FIELD in value and (key != "call_begin" or value.count(INDEX_FIELD) > 1
+                                     or value.index(INDEX_FIELD) < value.index(NAME_FIELD)):
+            raise ModelFamilyError(f"{source}: {INDEX_FIELD} may appear once, in 'tool_calls.call_begin' after "
+                                   f"{NAME_FIELD} (where the call's number goes), got {key} {value!r}")
+    if not f["call_begin"].split(NAME_FIELD, 1)[1].split(INDEX_FIELD, 1)[0]:
         raise ModelFamilyError(f"{source}: field 'tool_calls.call_begin' must have text after {NAME_FIELD} (it is "
                                "where the name ends)")
     if bool(f.get("block_begin")) != bool(f.get("block_end")):

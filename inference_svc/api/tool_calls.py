@@ -33,6 +33,9 @@ from shared.xgrammar_messages import clean_message
 MODES = ("auto", "required", "none", "named")
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")
+# A call's index (Kimi K2's functions.NAME:0): bounded, so that a model cannot write digits forever.
+MAX_INDEX_DIGITS = 4
+INDEX_PATTERN = re.compile(f"[0-9]{{1,{MAX_INDEX_DIGITS}}}")
 # OpenAI's limit; a request-shape bound that keeps the tool grammar and the prompt's tool list sane.
 MAX_TOOLS = 128
 # Converted schemas kept (see _EbnfCache): at most this many, and this many bytes of EBNF in all.
@@ -200,8 +203,12 @@ def _structural_tag(fmt: dict) -> dict:
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> dict:
-    return {"type": "tag", "begin": fmt.begin_for(tool.name),
-            "content": _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters"), "end": fmt.call_end}
+    content = _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters")
+    if fmt.index_suffix is not None:
+        # One tag serves every position in a list of calls, so the index is any number of up to MAX_INDEX_DIGITS.
+        content = {"type": "sequence", "elements": [{"type": "regex", "pattern": INDEX_PATTERN.pattern},
+                                                    {"type": "const_string", "value": fmt.index_suffix}, content]}
+    return {"type": "tag", "begin": fmt.begin_for(tool.name), "content": content, "end": fmt.call_end}
 
 
 def _calls(fmt: ToolCallFormat, tools: Sequence[ToolSpec], one: bool = False) -> dict:
@@ -398,7 +405,14 @@ class ToolCallParser:
                 continue
             if self._after_call:
                 rest = self._buf.lstrip()
-                if not rest or (_could_start(rest, fmt.trigger) and not final):
+                # Between calls without a block, the family's separator is layout too (gpt-oss's
+                # "<|start|>assistant", Llama's "; ") when a call follows it.
+                glue = "" if fmt.block_begin else fmt.separator.strip()
+                after = rest[len(glue):].lstrip() if glue and rest.startswith(glue) else None
+                if after is not None and after.startswith(fmt.trigger):
+                    rest = after
+                if not rest or (not final and (_could_start(rest, fmt.trigger) or _could_start(rest, glue) or (
+                        after is not None and (not after or _could_start(after, fmt.trigger))))):
                     if final:
                         self._buf = ""
                     break
@@ -458,6 +472,16 @@ class ToolCallParser:
         if not buf.startswith(fmt.name_suffix, name_end):
             return (more if _could_start(buf[name_end:], fmt.name_suffix) else "bad"), None, 0
         args_at = name_end + len(fmt.name_suffix)
+        if fmt.index_suffix is not None:
+            digits = INDEX_PATTERN.match(buf, args_at)
+            index_end = digits.end() if digits else args_at
+            if index_end == len(buf):
+                return more, None, 0
+            if index_end == args_at:
+                return "bad", None, 0
+            if not buf.startswith(fmt.index_suffix, index_end):
+                return (more if _could_start(buf[index_end:], fmt.index_suffix) else "bad"), None, 0
+            args_at = index_end + len(fmt.index_suffix)
         rest = buf[args_at:]
         head = rest.lstrip()
         if head and not head.startswith("{"):

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from inference_svc.config import InferenceServiceConfig
 from inference_svc.engine.engine import Engine, TokenizerView
@@ -25,6 +26,9 @@ from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelSource, resolve_model
 from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, init_group
+
+if TYPE_CHECKING:
+    from inference_svc.api.model_family import ModelFamily
 
 log = logging.getLogger(__name__)
 # Context length of the simulated runner (it has no model config).
@@ -37,7 +41,9 @@ SIMULATED_MAX_MODEL_LEN = 8192
 GIL_SWITCH_INTERVAL_SECONDS = 0.0001
 
 
-def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | None = None) -> TokenizerView:
+def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | None = None,
+                   family: ModelFamily | None = None) -> TokenizerView:
+    """The engine's view of the tokenizer; special tokens of the family's tool-call markup stay in the text."""
     from inference_svc.engine.text_stream import special_token_ids, token_bytes_for
 
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -47,8 +53,11 @@ def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | Non
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     start, end = think_ids if think_ids is not None else (None, None)
-    return TokenizerView(encode=encode, token_bytes=token_bytes_for(tokenizer),
-                         special_ids=frozenset(special_token_ids(tokenizer)), eos_ids=frozenset(eos),
+    special = frozenset(special_token_ids(tokenizer))
+    if family is not None:
+        special -= family.markup_ids(dict(zip(special, tokenizer.convert_ids_to_tokens(list(special)))))
+    return TokenizerView(encode=encode, token_bytes=token_bytes_for(tokenizer), special_ids=special,
+                         eos_ids=frozenset(eos),
                          think_start_id=start, think_end_id=end)
 
 
@@ -210,7 +219,7 @@ class EngineAssembly:
         desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
         self.chat = await asyncio.to_thread(load_chat, c, tok)
         self.tokenizer = tok
-        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2])
+        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2], self.chat[1])
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)
