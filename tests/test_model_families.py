@@ -188,6 +188,21 @@ def test_the_required_grammar_takes_the_familys_calls(compiler, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_auto_and_named_grammars_take_the_familys_calls(compiler, family):
+    def grammar(choice):
+        tag = tool_call_structural_tag(family, TOOLS, choice)
+        return compile_spec(compiler, GrammarSpec(Kind.STRUCTURAL_TAG, json.dumps(tag)))
+
+    auto = grammar(ToolChoice("auto"))
+    assert accepts(auto, "No call needed.")
+    assert accepts(auto, "Let me see. " + answer(family))
+    assert not accepts(auto, "Let me see. " + answer(family, [("get_weather", '{"unit":"c"}')]))
+    named = grammar(ToolChoice("named", "get_time"))
+    assert accepts(named, answer(family, CALLS[1:]))
+    assert not accepts(named, answer(family, CALLS[:1]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", range(2))
 def test_random_answers_under_the_familys_grammar_parse_into_valid_calls(compiler, xgr_tokenizer_info, hf_tokenizer,
                                                                        family, seed):
