@@ -9,6 +9,16 @@ top_p, min_p and an inverse-CDF draw that takes exactly one uniform from the row
 generator. A row's draw therefore depends only on its own logits and its own
 history, never on which or how many other rows share the step.
 
+The sampled rows are drawn as a batch (`_sample_batch`), a few tensor ops per
+group and a host wait per group, not per row: rows that nothing truncates by
+one softmax over the vocabulary and a CDF found block by block; rows under
+top_k, top_p or min_p among their likeliest tokens (one top-k for the
+group), cut there and drawn in the row path's order; rows with an allowed-id
+list among their ids. The row path (`_sample_row`) remains for the rows the
+batch cannot take exactly: a temperature so small that logits / temperature
+overflows float32, a non-finite row, and a top_p or min_p whose cut reaches
+past the row's `_NUCLEUS_CANDIDATES` likeliest tokens (a nearly flat row).
+
 Rows that ask for logprobs also get the chosen token's log probability and the
 most likely alternatives from the very distribution the token was drawn from
 (`sample_with_logprobs`); rows that do not ask pay nothing for it. The
@@ -20,11 +30,11 @@ grammar's mask; the ids a penalty reads are kept per request, grown by each
 step's new tokens (`SeenTokens`, `OutputCounts`). A request that asks for none
 of them has `RowSampler.adjusts` False and costs nothing for them.
 
-On the CPU the inverse-CDF draw is far cheaper than torch.multinomial or an exponential race, and numpy's
-argmax and sort are several times faster than torch's, hence numpy there (docs/benchmarks.md, "Hand-timed
-figures behind code choices", "Sampling on the CPU", has the timings, what logprobs cost included). On CUDA
-each sampled row syncs twice (the peak, the token): fine while sampling runs on CPU, worth batching if it
-moves.
+On the CPU the inverse-CDF draw is far cheaper than torch.multinomial or an exponential race (whose noise
+alone costs more than the draw), and numpy's argmax and sort are several times faster than torch's, hence
+numpy for the greedy rows and the row path there (docs/benchmarks.md, "Hand-timed figures behind code
+choices", "Sampling on the CPU", has the timings; `structd bench sampler` measures the batch against the
+row path).
 """
 
 from __future__ import annotations
@@ -415,7 +425,7 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
     """`sample`, plus each drawn token's `RowLogprobs` for the rows whose options ask (None for the others).
 
     The logprobs are those of the distribution the token was drawn from: after
-    top_k, temperature and top_p, renormalised over what survives; for
+    top_k, temperature, top_p and min_p, renormalised over what survives; for
     argmax rows (greedy, top_k 1) the log_softmax of the row at temperature 1.
     Tokens of probability 0 (masked, cut) are never among the alternatives, so
     a row may have fewer than top_logprobs of them.
@@ -427,6 +437,7 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
     out = [0] * len(rows)
     logprobs: list[RowLogprobs | None] = [None] * len(rows)
     subset = [False] * len(rows)
+    listed = []  # sampled rows with an allowed-id list
     # The logits as numpy where its argmax is the fast one (CPU float32), else None.
     x = logits.detach().numpy() if numpy_fast(logits) else None
     if candidates is not None:
@@ -437,14 +448,17 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
             if ids is None:
                 continue
             subset[i] = True
-            if x is not None and rows[i].argmax_only and not rows[i].options.wants_logprobs:
+            if not rows[i].argmax_only:
+                listed.append(i)
+            elif x is not None and not rows[i].options.wants_logprobs:
                 out[i] = int(ids[x[index[i], ids].argmax()])
-                continue
-            sub = logits[index[i]].index_select(0, torch.from_numpy(ids).to(logits.device))
-            pos, lp = _draw(sub, rows[i])
-            out[i] = int(ids[pos])
-            if lp is not None:
-                logprobs[i] = RowLogprobs(lp.logprob, tuple((int(ids[p]), v) for p, v in lp.top))
+            else:
+                sub = logits[index[i]].index_select(0, torch.from_numpy(ids).to(logits.device))
+                pos = int(sub.argmax())
+                out[i] = int(ids[pos])
+                if rows[i].options.wants_logprobs:
+                    lp = _greedy_logprobs(sub, pos, rows[i].options.top_logprobs)
+                    logprobs[i] = RowLogprobs(lp.logprob, tuple((int(ids[p]), v) for p, v in lp.top))
     greedy = [i for i, r in enumerate(rows) if r.argmax_only and not subset[i]]
     if greedy:
         wanted = [index[i] for i in greedy]
@@ -461,18 +475,282 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
             out[i] = token
             if rows[i].options.wants_logprobs:
                 logprobs[i] = _greedy_logprobs(logits[index[i]], token, rows[i].options.top_logprobs)
-    for i, r in enumerate(rows):
-        if not r.argmax_only and not subset[i]:
-            out[i], logprobs[i] = _draw(logits[index[i]], r)
+    whole = [i for i, r in enumerate(rows) if not r.argmax_only and not subset[i]]
+    if whole or listed:
+        _sample_batch(logits, rows, index, candidates, whole, listed, out, logprobs)
     return out, logprobs
 
 
-def _draw(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | None]:
-    """One position of `row` and, when asked for, its logprobs (positions of `row` for the alternatives)."""
-    if r.argmax_only:
-        pos = int(row.argmax())
-        return pos, _greedy_logprobs(row, pos, r.options.top_logprobs) if r.options.wants_logprobs else None
-    return _sample_row(row, r)
+# A whole row (no allowed-id list) under top_p or min_p but no top_k is drawn among its this many likeliest tokens
+# (one top-k of the row instead of a sort) whenever they hold everything the cut keeps; a flatter row takes the
+# row path (`_sample_row`).
+_NUCLEUS_CANDIDATES = 512
+# Columns per block: `_top` keeps the blocks whose maxima are the largest, `_draw_blocked` finds the block first.
+_TOP_BLOCK = 32
+_DRAW_BLOCK = 128
+
+
+def _truncates(o: SamplingOptions, width: int) -> bool:
+    return 0 < o.top_k < width or o.top_p < 1.0 or o.min_p > 0.0
+
+
+def _sample_batch(logits: torch.Tensor, rows: Sequence[RowSampler], index: list[int],
+                  candidates: Sequence[np.ndarray | None] | None, whole: list[int], listed: list[int],
+                  out: list[int], logprobs: list[RowLogprobs | None]) -> None:
+    """Draws the sampled rows (not argmax) in a few tensor ops per group, writing out[i] and logprobs[i].
+
+    Three groups: whole rows that nothing truncates (temperature only: a softmax over the vocabulary),
+    whole rows under top_k/top_p/min_p (among their likeliest tokens), and rows with an allowed-id list
+    (among those ids). Each row still draws exactly one uniform from its own generator and inverts its CDF
+    in the order the row path does (vocabulary order; under top_k, likeliest first), so its token depends
+    only on its own logits and generator. The host waits once per group for the rows the batch cannot take
+    (a float32 overflow at a tiny temperature, a nucleus wider than the candidates): those take the row path.
+    """
+    width = logits.shape[1]
+    device = logits.device
+    plain = [i for i in whole if not _truncates(rows[i].options, width)]
+    cut = [i for i in whole if _truncates(rows[i].options, width)]
+    fallback: list[int] = []
+    if plain:
+        x = _rows(logits, [index[i] for i in plain])
+        temps = torch.tensor([rows[i].options.temperature for i in plain], dtype=torch.float64, device=device)
+        overflow = _overflows(x.amax(1), temps)
+        probs = torch.softmax(x / temps.to(x.dtype).unsqueeze(1), 1)
+        keep = _split(plain, overflow, fallback)
+        if any(keep):
+            u = _uniforms([rows[i] for i in plain], keep, device)
+            j, total = _draw_blocked(probs, u)
+            _emit(plain, keep, rows, j, None, probs, total, out, logprobs)
+    for group, v, ix, own, outside, bad in _cut_groups(logits, rows, index, candidates, cut, listed):
+        w, uncovered = _truncated_weights(v, ix, [rows[i].options for i in group], width, own, outside)
+        keep = _split(group, uncovered | bad, fallback)
+        if any(keep):
+            u = _uniforms([rows[i] for i in group], keep, device)
+            j, total = _draw_dense(w, u)
+            _emit(group, keep, rows, j, ix, w, total, out, logprobs)
+    for i in fallback:
+        out[i], logprobs[i] = _sample_row(logits[index[i]], rows[i])
+
+
+def _rows(logits: torch.Tensor, at: list[int]) -> torch.Tensor:
+    """logits[at], without a copy when `at` is every row in order."""
+    if at == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(at, device=logits.device))
+
+
+def _overflows(peak: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    # Where x / temperature would overflow float32 (or divide by a temperature float32 rounds to zero): those
+    # rows shift and divide in float64 on the row path (`_softmax`). So do rows whose peak is not finite (NaN
+    # anywhere, or nothing drawable): the row path's token for them is what the step's checks expect.
+    return (peak.double().abs() + 1.0 >= temps * _OVERFLOW_GUARD) | ~torch.isfinite(peak)
+
+
+def _split(group: list[int], bad: torch.Tensor, fallback: list[int]) -> list[bool]:
+    """Which rows of `group` the batch draws (one host sync); the others join `fallback`."""
+    flags = bad.tolist()
+    fallback.extend(i for i, b in zip(group, flags) if b)
+    return [not b for b in flags] if any(flags) else [True] * len(group)
+
+
+def _uniforms(rows: list[RowSampler], keep: list[bool], device: torch.device) -> torch.Tensor:
+    """One uniform from each kept row's own generator (rows not kept draw nothing: the row path draws theirs)."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64, device=device) if k else zero
+                        for r, k in zip(rows, keep)])
+
+
+def _draw_dense(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's position whose CDF first exceeds u * total (never a weight 0, as `_sample_row`), and the total."""
+    cdf = torch.cumsum(w, 1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    j = torch.minimum(torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True), torch.searchsorted(cdf, total))
+    return j.clamp_(max=w.shape[1] - 1).squeeze(1), total.squeeze(1)
+
+
+def _draw_blocked(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_draw_dense` over whole rows without a float64 CDF of every column: the block the draw lands in from the
+    blocks' sums, then the position within it."""
+    b, width = probs.shape
+    bs = _DRAW_BLOCK
+    full = width // bs
+    sums = [probs[:, :full * bs].reshape(b, full, bs).sum(2)] if full else []
+    if width > full * bs:
+        sums.append(probs[:, full * bs:].sum(1, keepdim=True))
+    cum = torch.cumsum(torch.cat(sums, 1), 1, dtype=torch.float64)
+    total = cum[:, -1:].contiguous()
+    target = u.unsqueeze(1) * total
+    blk = torch.minimum(torch.searchsorted(cum, target, right=True), torch.searchsorted(cum, total))
+    blk.clamp_(max=cum.shape[1] - 1)
+    before = torch.where(blk > 0, cum.gather(1, (blk - 1).clamp(min=0)), 0.0)
+    cols = blk * bs + torch.arange(bs, device=probs.device)
+    inside = probs.gather(1, cols.clamp(max=width - 1))
+    inside = torch.where(cols < width, inside, 0.0)
+    inner = before + torch.cumsum(inside, 1, dtype=torch.float64)
+    pos = torch.minimum(torch.searchsorted(inner, target, right=True), torch.searchsorted(inner, inner[:, -1:].contiguous()))
+    j = (blk * bs + pos.clamp_(max=bs - 1)).squeeze(1)
+    return j.clamp_(max=width - 1), total.squeeze(1)
+
+
+def _cut_groups(logits, rows, index, candidates, cut, listed):
+    """(rows, logits [b, w], token ids [b, w], each row's count of candidates (likeliest first) or None (ids in
+    order), the weight outside the candidates [b, 1] or None, rows that must take the row path [b]) for the
+    whole rows under a cut (their likeliest tokens) and the rows with allowed-id lists (their ids, -inf
+    padded)."""
+    device = logits.device
+    width = logits.shape[1]
+    if cut:
+        x = _rows(logits, [index[i] for i in cut])
+        opts = [rows[i].options for i in cut]
+        ks = [o.top_k if 0 < o.top_k < width else 0 for o in opts]
+        wants = [kk or (0 if o.min_p > 0.0 else _NUCLEUS_CANDIDATES) for o, kk in zip(opts, ks)]
+        if 0 in wants:
+            wants = _min_p_widths(x, opts, wants)
+        wants = [min(width, want) for want in wants]
+        # One top-k for the group, each row cut back to its own candidates: what a row draws never depends on
+        # the widths its neighbours want.
+        v, ix = _top(x, max(wants))
+        outside = None
+        bad = torch.zeros(len(cut), dtype=torch.bool, device=device)
+        needs = [r for r, (o, kk) in enumerate(zip(opts, ks)) if kk == 0 and o.top_p < 1.0 and wants[r] < width]
+        if needs:
+            # A nucleus drawn among the likeliest tokens needs what the others weigh: the row's softmax at its
+            # temperature less its candidates' share, in units of the likeliest token's weight (its weight 1).
+            at = torch.tensor(needs, device=device)
+            temps = torch.tensor([opts[r].temperature for r in needs], dtype=torch.float64, device=device)
+            probs = torch.softmax(x.index_select(0, at).div_(temps.to(x.dtype).unsqueeze(1)), 1)
+            share = torch.cumsum(probs.gather(1, ix.index_select(0, at)), 1, dtype=torch.float64)
+            last = torch.tensor([wants[r] - 1 for r in needs], device=device).unsqueeze(1)
+            rest = (1.0 - share.gather(1, last).squeeze(1)) / share[:, 0]
+            outside = torch.zeros((len(cut), 1), dtype=torch.float64, device=device)
+            outside[at, 0] = torch.where(torch.isfinite(rest), rest, 0.0).clamp_(min=0.0)
+            bad[at] = _overflows(v.index_select(0, at)[:, 0], temps)
+        yield cut, v, ix, wants, outside, bad
+    if listed:
+        lens = np.array([len(candidates[i]) for i in listed])
+        ids = np.zeros((len(listed), max(lens)), dtype=np.int64)
+        pad = np.arange(ids.shape[1]) >= lens[:, None]
+        for r, i in enumerate(listed):
+            ids[r, :lens[r]] = candidates[i]
+            ids[r, lens[r]:] = candidates[i][-1]  # padding: an id of the list, at weight 0 (-inf below)
+        flat = ids + np.array([index[i] for i in listed], dtype=np.int64)[:, None] * width  # one gather for all
+        v = logits.reshape(-1).index_select(0, torch.from_numpy(flat.reshape(-1)).to(device)).view(ids.shape)
+        v = v.masked_fill(torch.from_numpy(pad).to(device), float("-inf"))
+        ix = torch.from_numpy(ids).to(device)
+        yield listed, v, ix, None, None, torch.zeros(len(listed), dtype=torch.bool, device=device)
+
+
+def _min_p_widths(x: torch.Tensor, opts: list[SamplingOptions], wants: list[int]) -> list[int]:
+    """`wants` with each 0 (a row under min_p, no top_k) replaced by one more than the count of tokens its
+    min_p keeps (logits within temperature * ln(min_p) of the peak; rounded to keep more), so that its
+    smallest candidate is one min_p cuts."""
+    rows = [r for r, want in enumerate(wants) if want == 0]
+    sub = x.index_select(0, torch.tensor(rows, device=x.device)) if len(rows) < x.shape[0] else x
+    peak = sub.amax(1, keepdim=True)
+    drop = torch.tensor([opts[r].temperature * math.log(opts[r].min_p) for r in rows], dtype=torch.float64,
+                        device=x.device).unsqueeze(1)
+    cutoff = torch.nextafter((peak.double() + drop).to(x.dtype), torch.tensor(float("-inf"), dtype=x.dtype))
+    counts = torch.where(torch.isfinite(peak), (sub >= cutoff).sum(1, keepdim=True), 0).squeeze(1).tolist()
+    out = list(wants)
+    for r, c in zip(rows, counts):
+        out[r] = c + 1
+    return out
+
+
+def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) (largest first) for rows much wider than k: the k largest entries lie in the k blocks
+    of `_TOP_BLOCK` columns whose maxima are the largest, so only those blocks are searched."""
+    b, width = x.shape
+    bs = _TOP_BLOCK
+    full = width // bs
+    if full < 4 * k or not x.is_contiguous():
+        return torch.topk(x, k)
+    blocks = torch.topk(x[:, :full * bs].view(b, full, bs).amax(2), k).indices
+    cols = (blocks.unsqueeze(2) * bs + torch.arange(bs, device=x.device)).view(b, k * bs)
+    if width > full * bs:
+        cols = torch.cat([cols, torch.arange(full * bs, width, device=x.device).expand(b, -1)], 1)
+    v, at = torch.topk(x.gather(1, cols), k)
+    return v, cols.gather(1, at)
+
+
+def _truncated_weights(v: torch.Tensor, ix: torch.Tensor, opts: list[SamplingOptions], width: int,
+                       own: list[int] | None, outside: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' unnormalised float64 weights after temperature, top_k, top_p and min_p, in the order each
+    row draws in (likeliest first under top_k, else by token id; `ix` is reordered to match, in place), and
+    which rows the weights cannot stand for (a cut reaching past the likeliest tokens a whole row kept).
+
+    `own`: for whole rows (`v` likeliest first), how many columns are each row's candidates; None for
+    allowed-id lists (`v` in id order, -inf padded)."""
+    sorted_desc = own is not None
+    b, n = v.shape
+    device = v.device
+    col = torch.arange(n, device=device)
+    k_list = [o.top_k if 0 < o.top_k < width else 0 for o in opts]
+    ks = torch.tensor(k_list, device=device).unsqueeze(1)
+    has_k = ks > 0
+    if not sorted_desc and any(k_list):
+        order = torch.sort(v, dim=1, descending=True, stable=True).indices
+        order = torch.where(has_k, order, col)
+        v, ix[:] = v.gather(1, order), ix.gather(1, order)
+    temps = torch.tensor([o.temperature for o in opts], dtype=torch.float64, device=device).unsqueeze(1)
+    peak = v.amax(1, keepdim=True).double()
+    broken = ~torch.isfinite(peak)  # NaN, or nothing drawable: the row path's token (see `_overflows`)
+    peak = torch.where(broken, 0.0, peak)
+    w = torch.exp((v.double() - peak) / temps)
+    if sorted_desc:
+        lim = torch.tensor(own, device=device).unsqueeze(1)
+        w = torch.where(col < lim, w, 0.0)
+    elif any(k_list):
+        w = torch.where(~has_k | (col < ks), w, 0.0)
+    thr = torch.zeros((b, 1), dtype=torch.float64, device=device)
+    if any(o.top_p < 1.0 for o in opts):
+        ps = torch.tensor([o.top_p for o in opts], dtype=torch.float64, device=device).unsqueeze(1)
+        # As `_nucleus`: ascending, the tokens left out are the longest prefix holding at most 1 - top_p of the
+        # mass (a whole row's tokens beyond the candidates come first, as `outside`).
+        asc = torch.sort(w, 1).values
+        cum = torch.cumsum(asc, 1) if outside is None else outside + torch.cumsum(asc, 1)
+        first_kept = torch.searchsorted(cum, (1.0 - ps) * cum[:, -1:], right=True).clamp_(max=n - 1)
+        thr = torch.where(ps < 1.0, asc.gather(1, first_kept), 0.0)
+    if any(o.min_p > 0.0 for o in opts):
+        mins = torch.tensor([o.min_p for o in opts], dtype=torch.float64, device=device).unsqueeze(1)
+        thr = torch.maximum(thr, mins * w.amax(1, keepdim=True))
+    uncovered = broken
+    if sorted_desc and not all(k_list) and min(own) < width:
+        # A whole row's cut must stay among its likeliest tokens: the smallest of them must be cut (a kept one
+        # means the threshold lies beyond them, or ties with tokens that do).
+        uncovered = uncovered | (~has_k & (lim < width) & (w.gather(1, lim - 1) >= thr))
+    w = torch.where(w >= thr, w, 0.0)
+    if sorted_desc and not all(k_list):
+        order = torch.where(has_k, col, torch.sort(ix, 1).indices)
+        w, ix[:] = w.gather(1, order), ix.gather(1, order)
+    return w, uncovered.squeeze(1)
+
+
+def _emit(group: list[int], keep: list[bool], rows: Sequence[RowSampler], j: torch.Tensor, ix: torch.Tensor | None,
+          weights: torch.Tensor, total: torch.Tensor, out: list[int], logprobs: list[RowLogprobs | None]) -> None:
+    """Writes the kept rows' tokens (ix[j], or j itself) and, where asked, their logprobs (one sync each)."""
+    tokens = (ix.gather(1, j.unsqueeze(1)).squeeze(1) if ix is not None else j).tolist()
+    want = [r for r, i in enumerate(group) if keep[r] and rows[i].options.wants_logprobs]
+    for r, i in enumerate(group):
+        if keep[r]:
+            out[i] = tokens[r]
+    if not want:
+        return
+    at = torch.tensor(want, device=weights.device)
+    w = weights.index_select(0, at)
+    log_total = torch.log(total.index_select(0, at))
+    chosen = (torch.log(w.gather(1, j.index_select(0, at).unsqueeze(1)).squeeze(1).double()) - log_total).tolist()
+    n = max(rows[group[r]].options.top_logprobs for r in want)
+    top_v = top_i = None
+    if n:
+        top_v, top_at = _top(w, min(n, w.shape[1]))
+        top_i = (ix.index_select(0, at).gather(1, top_at) if ix is not None else top_at).tolist()
+        top_v = (torch.log(top_v.double()) - log_total.unsqueeze(1)).tolist()
+    for k, r in enumerate(want):
+        i = group[r]
+        m = rows[i].options.top_logprobs
+        top = () if not m else tuple((t, v) for t, v in zip(top_i[k][:m], top_v[k][:m]) if v > float("-inf"))
+        logprobs[i] = RowLogprobs(chosen[k], top)
 
 
 def finite_at(logits: torch.Tensor, rows: list[int], cols: list[int]) -> list[bool]:
