@@ -62,6 +62,12 @@ def workers(srv) -> list:
     return srv.run_sync(lambda: list(srv.server.backend.pool._all))
 
 
+def waiters(srv) -> list[int]:
+    """How many callers wait for each compile in flight."""
+    backend = srv.server.backend
+    return srv.run_sync(lambda: [f.waiters for f in backend._inflight.values()])
+
+
 def compiling_worker(srv, not_pid: int | None = None):
     """The worker running a compile (not a tokenizer load), if any, other than `not_pid`."""
     return next((w for w in workers(srv) if w.compiling and w.proc.pid != not_pid), None)
@@ -141,24 +147,47 @@ def test_client_deadline_is_capped_by_the_server_maximum(capped, tokenizer_desc)
 # ---------------------------------------------------------------- (c) timeouts are cached briefly
 
 
+def _failed_entries(srv) -> dict:
+    from grammar_svc.compile.cache import FailedEntry
+
+    cache = srv.server.backend.cache
+    return srv.run_sync(lambda: {k: e for k, e in cache._entries.items() if isinstance(e, FailedEntry)})
+
+
+def _put(srv, entry) -> None:
+    srv.run_sync(lambda: srv.server.backend.cache.put(entry))
+
+
 def test_a_timeout_is_forgotten_after_the_cache_time(capped, tokenizer_desc):
-    """A schema that timed out under load (here: its worker stopped) compiles once the TTL has passed."""
+    """A schema that timed out under load (here: its worker stopped) compiles once the TTL has passed.
+
+    The TTL is checked on the entry the server wrote (it expires the configured 1 s after the failure), and
+    its passing is an event the test makes (the entry's expiry moved to now), not a sleep: a busy machine
+    could take longer than the window between the failure and the cached answer."""
+    import dataclasses
+
     fp = tokenizer_desc.fingerprint
     spec = fast(f"ttl-{salt()}")
     (worker,) = pool_ready(capped)
+    known = set(_failed_entries(capped))
     os.kill(worker.proc.pid, signal.SIGSTOP)  # "under load": the compile cannot make progress
     try:
+        started = time.monotonic()
         err = rpc_error(capped, lambda c: c.compile(fp, spec))
+        answered = time.monotonic()
     finally:
         if pid_alive(worker.proc.pid):
             os.kill(worker.proc.pid, signal.SIGCONT)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    (entry,) = [e for k, e in _failed_entries(capped).items() if k not in known]
+    assert started + 1.0 <= entry.expires_at <= answered + 1.0, "remembered for the configured 1 s"
     pool_ready(capped)
+    _put(capped, dataclasses.replace(entry, expires_at=time.monotonic() + 600))  # still within its time
     hits = sample(capped, "grammar_svc_cache_hits_total", kind="json_schema")
     again = rpc_error(capped, lambda c: c.compile(fp, spec))
     assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert sample(capped, "grammar_svc_cache_hits_total", kind="json_schema") == hits + 1, "not from the cache"
-    time.sleep(1.2)  # the 1 s the server remembers a timeout
+    _put(capped, dataclasses.replace(entry, expires_at=time.monotonic()))  # its time is up
     resp = call(capped, lambda c: c.compile(fp, spec))
     assert resp.grammar_id and not resp.cache_hit
 
@@ -199,9 +228,8 @@ def test_a_compile_another_caller_waits_for_goes_on(roomy, tokenizer_desc):
     async def go(client):
         first = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=60))
         second = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=60))
-        while compiling_worker(roomy) is None:
+        while waiters(roomy) != [2]:  # both calls have joined the one compile in flight
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)  # both calls have joined the one compile in flight
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
