@@ -29,7 +29,15 @@ OBS = K8S / "observability"
 DASHBOARDS = OBS / "dashboards"
 RULES_FILE = OBS / "alerts.rules.yml"
 RULES_TEST_FILE = OBS / "alerts.test.yml"
+# The uid the provisioned datasources carry; dashboards name none (their `datasource` variable picks one).
 DATASOURCE_UID = "structd-prometheus"
+# What every panel's queries and targets name: the dashboard's `datasource` template variable.
+DATASOURCE_VARIABLE = {"type": "prometheus", "uid": "${datasource}"}
+# The matchers every series selector of a panel query carries: one install (namespace) at a time, the chosen pods.
+INSTALL_MATCHERS = {"namespace": '="$namespace"', "instance": '=~"$instance"'}
+# The job each dashboard's namespace and instance variables list the values of.
+DASHBOARD_JOBS = {"grammar.json": "structd-grammar", "inference.json": "structd-inference",
+                  "gateway.json": "structd-gateway"}
 
 # Kinds that are custom resources (no schema in kubernetes-validate).
 CUSTOM_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PodMonitor", "PrometheusRule", "Certificate"}
@@ -210,10 +218,13 @@ def rule_queries() -> list[Query]:
     return [Query(f"alert {r.get('alert') or r.get('record')}", r["expr"]) for r in alert_rules()]
 
 
-def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
-    """What Grafana sends Prometheus: its interval variables replaced."""
+def grafana_to_promql(expr: str, rate_interval: str = "1m", namespace: str = "structd", instance: str = ".*") -> str:
+    """What Grafana sends Prometheus: its interval variables and the dashboards' template variables replaced
+    (instance ".*" is the variable's All)."""
     for var in ("$__rate_interval", "${__rate_interval}", "$__interval", "${__interval}"):
         expr = expr.replace(var, rate_interval)
+    for var, value in (("namespace", namespace), ("instance", instance)):
+        expr = expr.replace("${" + var + "}", value).replace("$" + var, value)
     return expr
 
 
@@ -221,7 +232,9 @@ def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
 
 # Synthesized by Prometheus for every target.
 PROMETHEUS_SERIES = {"up": {"job", "instance"}}
-TARGET_LABELS = {"job", "instance"}
+# Labels every target carries: job and instance from Prometheus, namespace from prometheus-operator's monitors
+# (and from the relabelling in the compose prometheus.yml and the live test's scrape config).
+TARGET_LABELS = {"job", "instance", "namespace"}
 
 
 def _metric_series(metrics_obj) -> dict[str, set[str]]:
@@ -299,6 +312,29 @@ def promql_names(expr: str) -> PromqlNames:
             continue  # keyword or function / aggregation call
         metrics.add(word)
     return PromqlNames(frozenset(metrics), frozenset(labels))
+
+
+_AGGREGATIONS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
+                 "count_values", "group"}
+_SELECTOR = re.compile(r"(?<![\w.$])([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{[^}]*\})?")
+
+
+def vector_selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
+    """(metric, {label: operator and quoted value}) for each series selector in expr, as written."""
+    text = _RANGE.sub(" ", expr)
+    text = _GROUPING.sub(" ", text)
+    out = []
+    for m in _SELECTOR.finditer(text):
+        name, matchers = m.group(1), m.group(2) or "{}"
+        if name.lower() in _KEYWORDS | _AGGREGATIONS or re.match(r"\s*\(", text[m.end(1):]):
+            continue
+        if re.fullmatch(r"[0-9.e]+", name) or text[m.start() - 1:m.start()] in ('"', "'"):
+            continue
+        parsed = {}
+        for lm in re.finditer(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:[^"\\]|\\.)*")', matchers):
+            parsed[lm.group(1)] = lm.group(2) + lm.group(3)
+        out.append((name, parsed))
+    return out
 
 
 _QUANTILE = re.compile(

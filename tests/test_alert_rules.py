@@ -3,12 +3,15 @@ behaviour (`promtool test rules` on k8s/observability/alerts.test.yml)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import yaml
 
 from tests.conftest import require_tool
-from tests.deploy_assets import OBS, RULES_FILE, RULES_TEST_FILE, alert_rules
+from tests.deploy_assets import OBS, REPO, RULES_FILE, RULES_TEST_FILE, alert_rules
+
+RUNBOOK = REPO / "docs" / "runbook.md"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -40,3 +43,26 @@ def test_every_alert_has_a_unit_test_where_it_fires():
 def test_promtool_check_config_of_the_compose_prometheus():
     out = promtool("check", "config", "prometheus.yml")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _markdown_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces to dashes)."""
+    return {re.sub(r"[^a-z0-9 _-]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+\s+(.+)$", text, re.M)}
+
+
+def test_every_alert_links_its_runbook_section():
+    """runbook_url (the name Alertmanager and Grafana templates look for) is the alert's own section of
+    docs/runbook.md, and that section exists."""
+    anchors = _markdown_anchors(RUNBOOK.read_text())
+    for r in alert_rules():
+        url = r["annotations"]["runbook_url"]
+        path, _, anchor = url.partition("#")
+        assert (REPO / path).resolve() == RUNBOOK.resolve(), f"{r['alert']}: {url}"
+        assert anchor == r["alert"].lower(), f"{r['alert']}: {url} is not its own section"
+        assert anchor in anchors, f"{r['alert']}: docs/runbook.md has no section #{anchor}"
+
+
+def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
+    sections = set(re.findall(r"^### (Structd\w+)$", RUNBOOK.read_text(), re.M))
+    assert sections == {r["alert"] for r in alert_rules()}

@@ -1,7 +1,9 @@
 """Grafana dashboards and alert expressions, checked against what the services export.
 
-Static checks: the JSON loads, every panel uses the provisioned datasource,
-every metric and label a query or alert names is one the grammar or
+Static checks: the JSON loads, every panel uses the dashboard's `datasource`
+variable (no datasource uid written into a dashboard), every query reads one
+install (`namespace` variable, a single value) and the chosen pods
+(`instance`), every metric and label a query or alert names is one the grammar or
 inference service or the gateway exports (read from their metric classes), every quantile
 is histogram_quantile over rate(..._bucket), and the panels the operators
 asked for are there. tests/test_observability_live.py runs the same queries
@@ -15,8 +17,9 @@ import json
 import pytest
 import yaml
 
-from tests.deploy_assets import (DASHBOARDS, DATASOURCE_UID, OBS, alert_rules, dashboards, exported_series,
-                                 panel_queries, panels, promql_names, quantile_uses, rule_queries)
+from tests.deploy_assets import (DASHBOARD_JOBS, DASHBOARDS, DATASOURCE_UID, DATASOURCE_VARIABLE, INSTALL_MATCHERS, OBS,
+                                 alert_rules, dashboards, exported_series, panel_queries, panels, promql_names,
+                                 quantile_uses, rule_queries, vector_selectors)
 
 DASHBOARD_FILES = {"grammar.json", "inference.json", "gateway.json"}
 
@@ -44,13 +47,13 @@ def test_dashboard_files_are_the_expected_json():
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARD_FILES))
-def test_every_panel_uses_the_provisioned_datasource(name):
+def test_every_panel_uses_the_datasource_variable(name):
     d = dashboards()[name]
     for p in panels(d):
-        assert p["datasource"] == {"type": "prometheus", "uid": DATASOURCE_UID}, p["title"]
+        assert p["datasource"] == DATASOURCE_VARIABLE, p["title"]
         assert p.get("targets"), f"{name}: panel {p['title']!r} has no queries"
         for t in p["targets"]:
-            assert t.get("datasource", p["datasource"])["uid"] == DATASOURCE_UID, p["title"]
+            assert t.get("datasource", p["datasource"]) == DATASOURCE_VARIABLE, p["title"]
             assert t["expr"].strip(), p["title"]
         refs = [t["refId"] for t in p["targets"]]
         assert len(refs) == len(set(refs)), f"{name}: duplicate refIds in {p['title']!r}"
@@ -71,7 +74,76 @@ def test_panels_have_unique_ids_and_do_not_overlap(name):
                 cells[(x, y)] = p["title"]
 
 
-def test_provisioned_datasources_carry_the_dashboards_uid():
+def _datasource_uids(node):
+    """Every datasource uid anywhere in a dashboard (panels, targets, variables, annotations)."""
+    if isinstance(node, dict):
+        ds = node.get("datasource")
+        if isinstance(ds, dict) and "uid" in ds:
+            yield ds["uid"]
+        for v in node.values():
+            yield from _datasource_uids(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _datasource_uids(v)
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARD_FILES))
+def test_no_datasource_uid_is_hard_coded(name):
+    """A Grafana whose Prometheus datasource has another uid still shows every panel: the uid comes from the
+    `datasource` variable (Grafana's built-in annotation source is no Prometheus)."""
+    uids = set(_datasource_uids(dashboards()[name]))
+    assert uids <= {"${datasource}", "-- Grafana --"}, uids
+    assert DATASOURCE_UID not in json.dumps(dashboards()[name])
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARD_FILES))
+def test_template_variables_pick_the_datasource_one_install_and_its_pods(name):
+    job = DASHBOARD_JOBS[name]
+    variables = {v["name"]: v for v in dashboards()[name]["templating"]["list"]}
+    assert list(variables) == ["datasource", "namespace", "instance"], "namespace and instance need the datasource first"
+    ds = variables["datasource"]
+    assert (ds["type"], ds["query"]) == ("datasource", "prometheus")
+    ns, inst = variables["namespace"], variables["instance"]
+    for v in (ns, inst):
+        assert v["type"] == "query" and v["datasource"] == DATASOURCE_VARIABLE, v["name"]
+        assert v["definition"] == v["query"]["query"], v["name"]
+        assert v["refresh"] == 2, f"{v['name']}: values refreshed with the time range (pods come and go)"
+    # One namespace at a time: two installs scraped by one Prometheus are never summed into one panel.
+    assert not ns["multi"] and not ns["includeAll"]
+    assert ns["query"]["query"] == f'label_values(up{{job=~".*{job}"}}, namespace)'
+    assert inst["multi"] and inst["includeAll"] and inst["allValue"] == ".*"
+    assert inst["query"]["query"] == f'label_values(up{{job=~".*{job}", namespace="$namespace"}}, instance)'
+
+
+def _selector_queries():
+    return [q for name, d in dashboards().items() for q in panel_queries(name, d)]
+
+
+@pytest.mark.parametrize("query", _selector_queries(), ids=lambda q: q.where)
+def test_every_series_selector_reads_one_install_and_the_chosen_pods(query):
+    selectors = vector_selectors(query.expr)
+    assert selectors, query.expr
+    for metric, matchers in selectors:
+        for label, matcher in INSTALL_MATCHERS.items():
+            assert matchers.get(label) == matcher, f"{query.where}: {metric} needs {label}{matcher}"
+
+
+def test_the_selector_reader_sees_every_selector():
+    expr = 'sum by (le) (rate(a_bucket{x="1"}[5m])) / scalar(sum(b)) or vector(0) + max by (instance) (c{y=~"z"})'
+    assert vector_selectors(expr) == [("a_bucket", {"x": '="1"'}), ("b", {}), ("c", {"y": '=~"z"'})]
+
+
+def test_compose_prometheus_labels_every_structd_target_with_its_namespace():
+    """The dashboards read no series without a namespace: docker-compose's Prometheus sets it as the operator's
+    monitors do on Kubernetes."""
+    doc = yaml.safe_load((OBS / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"] if j["job_name"].startswith("structd-")}
+    assert set(jobs) == set(DASHBOARD_JOBS.values())
+    for name, job in jobs.items():
+        assert {"target_label": "namespace", "replacement": "structd"} in job.get("relabel_configs", []), name
+
+
+def test_provisioned_datasources_are_prometheus():
     for f in ("datasources.yml", "datasources-k8s.yml"):
         doc = yaml.safe_load((OBS / "grafana" / f).read_text())
         assert [ds["uid"] for ds in doc["datasources"]] == [DATASOURCE_UID], f
@@ -176,8 +248,9 @@ def test_alert_rules_are_complete():
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning", "info"}, r["alert"]
         assert r.get("for"), f"{r['alert']}: alerts without `for` page on a single bad scrape"
-        for key in ("summary", "description", "runbook"):
+        for key in ("summary", "description", "runbook_url"):
             assert r["annotations"].get(key), f"{r['alert']}: annotation {key} missing"
+        assert "runbook" not in r["annotations"], f"{r['alert']}: the conventional name is runbook_url"
     required = {"StructdMaskWaitShareHigh", "StructdGrammarCompileFailuresRising", "StructdGrammarTierDown",
                 "StructdKVCacheSaturated", "StructdInferenceQueueGrowing"}
     assert required <= set(names)

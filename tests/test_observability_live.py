@@ -8,7 +8,9 @@ with its first increment, so only the second round shows up in rate(). Then
 every panel query of their dashboards must return data with a finite value,
 every alert expression must evaluate, and Prometheus' own rule evaluation
 must report no rule in error. A query that names a metric no service
-exports returns nothing, so it fails here.
+exports returns nothing, so it fails here. Every target is scraped twice,
+as two installs in two namespaces (as prometheus-operator labels them): the
+panels, asked for one namespace, must count each service once.
 
 LIVE lists what is scraped: the job, the dashboard it must fill, and the
 fixture that starts the service and sends its traffic.
@@ -41,6 +43,9 @@ SCRAPE_SECONDS = 1
 # Wide enough to hold every sample of this module's short-lived TSDB: Grafana's
 # $__rate_interval is only a floor on the window in a real deployment.
 RATE_INTERVAL = "5m"
+# The dashboards' namespace variable, and a second install of the same targets on the same Prometheus.
+NAMESPACE = "structd-live"
+OTHER_NAMESPACE = "structd-other"
 
 
 @dataclass(frozen=True)
@@ -253,8 +258,9 @@ class Prometheus:
             "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "scrape_timeout": f"{SCRAPE_SECONDS}s",
                        "evaluation_interval": f"{SCRAPE_SECONDS}s"},
             "rule_files": [str(RULES_FILE)],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [address]}]}
-                               for job, address in targets.items()],
+            "scrape_configs": [{"job_name": job, "static_configs": [
+                {"targets": [address], "labels": {"namespace": ns}} for ns in (NAMESPACE, OTHER_NAMESPACE)]}
+                for job, address in targets.items()],
         }
         cfg = workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
@@ -293,7 +299,7 @@ class Prometheus:
         return self.api("query", query=expr)
 
     def last_scrape(self, job: str) -> float:
-        result = self.query(f'timestamp(up{{job="{job}"}})')["data"]["result"]
+        result = self.query(f'min(timestamp(up{{job="{job}"}}))')["data"]["result"]
         return float(result[0]["value"][1]) if result else 0.0
 
     def stop(self) -> None:
@@ -313,7 +319,7 @@ def prometheus(request, tmp_path_factory):
     try:
         def all_up():
             targets = prom.api("targets")["data"]["activeTargets"]
-            return len(targets) == len(LIVE) and all(t["health"] == "up" for t in targets)
+            return len(targets) == 2 * len(LIVE) and all(t["health"] == "up" for t in targets)
 
         prom.wait(all_up, 30, "every target scraped and up")
         for round_no in range(2):
@@ -346,8 +352,20 @@ def assert_has_data(where: str, expr: str, answer: dict) -> None:
 
 @pytest.mark.parametrize("query", live_panel_queries(), ids=lambda q: q.where)
 def test_every_panel_returns_data(prometheus, query):
-    expr = grafana_to_promql(query.expr, RATE_INTERVAL)
+    expr = grafana_to_promql(query.expr, RATE_INTERVAL, namespace=NAMESPACE)
     assert_has_data(query.where, expr, prometheus.query(expr))
+
+
+@pytest.mark.parametrize("service", LIVE, ids=lambda s: s.job)
+def test_two_installs_on_one_prometheus_are_not_summed(prometheus, service):
+    """Each service is scraped as two installs; its dashboard's "up" panel, for one namespace, counts one."""
+    d = dashboards()[service.dashboard]
+    (up,) = [q for q in panel_queries(service.dashboard, d) if q.expr.startswith("sum(up{")]
+    for ns in (NAMESPACE, OTHER_NAMESPACE):
+        answer = prometheus.query(grafana_to_promql(up.expr, RATE_INTERVAL, namespace=ns))
+        assert [float(r["value"][1]) for r in answer["data"]["result"]] == [1.0], (ns, answer)
+    everything = prometheus.query(f'sum(up{{job="{service.job}"}})')["data"]["result"]
+    assert float(everything[0]["value"][1]) == 2.0, "the second install is not being scraped"
 
 
 @pytest.mark.parametrize("query", rule_queries(), ids=lambda q: q.where)
