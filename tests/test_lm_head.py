@@ -19,9 +19,12 @@ from inference_svc.model.head.lm_head import LmHead, PackedKernel, PlainKernel
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.model.head.sparse_head import SparseHead
+from tests.conftest import untestable_here
 
 VOCAB = 129_280
 WIDTH = 256
+# The packed kernel is the default head (--lm-head-kernel auto) where oneDNN is: a CI runner without it fails here.
+NO_PACKED = "this torch has no oneDNN: the default --lm-head-kernel auto (packed) head cannot be tested on it"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -41,7 +44,7 @@ def ids_of(rng: np.random.Generator, n: int) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 32])
 def test_every_column_count_is_bitwise_the_full_head(weight, kernel, rows):
     if kernel is PackedKernel and not PackedKernel.available(weight):
-        pytest.skip("this torch has no oneDNN")
+        untestable_here(NO_PACKED)
     head = LmHead(kernel(weight, None), exact_columns=True)
     g = torch.Generator().manual_seed(rows)
     hidden = torch.randn(rows, WIDTH, generator=g)
@@ -56,7 +59,7 @@ def test_every_column_count_is_bitwise_the_full_head(weight, kernel, rows):
 
 def test_packed_kernel_is_the_plain_head_to_rounding_and_does_not_depend_on_the_batch(weight):
     if not PackedKernel.available(weight):
-        pytest.skip("this torch has no oneDNN")
+        untestable_here(NO_PACKED)
     packed, plain = PackedKernel(weight, None), PlainKernel(weight, None)
     hidden = torch.randn(24, WIDTH, generator=torch.Generator().manual_seed(3))
     full = packed.full(hidden)
@@ -136,7 +139,7 @@ def tiny_model_dir(tmp_path_factory):
 def test_runner_computes_the_models_head_with_the_chosen_kernel(tiny_model_dir, packed, want):
     model, _ = load_model(tiny_model_dir, "cpu")
     if packed and not PackedKernel.available(model.get_output_embeddings().weight):
-        pytest.skip("this torch has no oneDNN")
+        untestable_here(NO_PACKED)
     # The model's own forward (its lm_head module, F.linear), before the runner takes the model over.
     with torch.inference_mode():
         reference = model(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1:].float()
