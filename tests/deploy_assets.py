@@ -101,6 +101,37 @@ def render() -> list[dict]:
         if ns and o["kind"] not in CLUSTER_SCOPED_KINDS:
             o["metadata"]["namespace"] = ns
         _set_images(o, images)
+    _set_labels(objs, k.get("labels", []))
+    return objs
+
+
+# Where kustomize's `labels` with includeTemplates puts them besides metadata: the pod templates of the
+# built-in workload kinds (not of custom resources such as the LeaderWorkerSet).
+_TEMPLATE_PATHS = {kind: ("spec", "template") for kind in
+                   ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "ReplicationController")}
+_TEMPLATE_PATHS["CronJob"] = ("spec", "jobTemplate", "spec", "template")
+
+
+def _set_labels(objs: list[dict], entries: list[dict]) -> None:
+    """kustomize's `labels` transformer, for entries that leave selectors alone."""
+    for entry in entries:
+        assert not entry.get("includeSelectors"), "labels in selectors: not rendered here"
+        for o in objs:
+            o["metadata"].setdefault("labels", {}).update(entry["pairs"])
+            path = _TEMPLATE_PATHS.get(o["kind"])
+            if entry.get("includeTemplates") and path:
+                node = o
+                for key in path:
+                    node = node[key]
+                node.setdefault("metadata", {}).setdefault("labels", {}).update(entry["pairs"])
+
+
+def render_namespace() -> list[dict]:
+    """The namespace kustomization (k8s-overlays/namespace): the Namespace, kept out of the base."""
+    directory = OVERLAYS / "namespace"
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    objs = [d for rel in k["resources"] for d in load_yaml_docs(directory / rel)]
+    _set_labels(objs, k.get("labels", []))
     return objs
 
 

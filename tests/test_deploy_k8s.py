@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import tomllib
 
 import pytest
 import yaml
 
-from tests.deploy_assets import (CUSTOM_KINDS, K8S, REPO, RULES_FILE, by_kind, kubectl_kustomize, kustomization,
-                                 load_yaml_docs, object_key, one, pod_specs, render, selects)
+from tests.deploy_assets import (CUSTOM_KINDS, K8S, OVERLAYS, REPO, RULES_FILE, by_kind, kubectl_kustomize,
+                                 kustomization, load_yaml_docs, object_key, one, pod_specs, render, render_namespace,
+                                 selects)
 
 # Where every pod mounts its cert-manager Secret (tls.crt, tls.key, ca.crt).
 TLS_MOUNT = "/etc/structd/tls"
@@ -65,11 +67,63 @@ def test_every_manifest_is_listed_and_every_listed_file_exists():
 
 
 def test_everything_lands_in_the_namespace(objs):
-    ns = one(objs, "Namespace")
-    assert ns["metadata"]["name"] == NAMESPACE == kustomization()["namespace"]
+    assert kustomization()["namespace"] == NAMESPACE
     for o in objs:
-        if o["kind"] != "Namespace":
-            assert o["metadata"]["namespace"] == NAMESPACE
+        assert o["metadata"]["namespace"] == NAMESPACE, object_key(o)
+
+
+def test_the_namespace_is_not_in_the_base_so_delete_k_leaves_it(objs):
+    """`kubectl delete -k k8s/` deletes what the base renders: a Namespace there would take everything else in
+    it along. It has its own kustomization, applied once before the base."""
+    assert not by_kind(objs, "Namespace")
+    (ns,) = render_namespace()
+    assert (ns["kind"], ns["metadata"]["name"]) == ("Namespace", NAMESPACE)
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    rendered = kubectl_kustomize(OVERLAYS / "namespace")
+    if rendered is not None:
+        assert rendered == [ns]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_the_namespace_validates_against_kubernetes_schemas(version):
+    import kubernetes_validate
+
+    for o in render_namespace():
+        kubernetes_validate.validate(o, version, strict=True)
+
+
+RECOMMENDED_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/version")
+
+
+def _selectors(node):
+    """Every label selector in an object (workload, Service, PDB, NetworkPolicy, monitor, HPA target...)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("selector", "podSelector", "namespaceSelector") and isinstance(value, dict):
+                yield value
+            yield from _selectors(value)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _selectors(v)
+
+
+def test_instance_and_version_labels_on_every_object_and_pod_but_in_no_selector(objs):
+    """app.kubernetes.io/instance and /version (Kubernetes' recommended labels) on every object of the base and of
+    the namespace kustomization and on every pod template; never in a selector, which cannot change once created
+    (the version changes with each release). version is the package version."""
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    expected = {"app.kubernetes.io/instance": "structd", "app.kubernetes.io/version": version}
+    (entry,) = kustomization()["labels"]
+    assert entry["pairs"] == expected and entry["includeTemplates"] and not entry.get("includeSelectors")
+    for o in [*objs, *render_namespace()]:
+        labels = o["metadata"]["labels"]
+        assert {k: labels.get(k) for k in expected} == expected, object_key(o)
+    for where, meta, _ in pod_specs(objs):
+        assert {k: meta["labels"].get(k) for k in expected} == expected, where
+    for o in objs:
+        for sel in _selectors(o):
+            text = repr(sel)
+            assert not any(label in text for label in RECOMMENDED_LABELS), f"{object_key(o)} selects by {sel}"
 
 
 def test_names_are_unique_per_kind(objs):
@@ -96,7 +150,7 @@ def test_core_kinds_validate_against_kubernetes_schemas(objs, version):
             path = "/".join(str(p) for p in e.path)
             pytest.fail(f"{o['kind']}/{o['metadata']['name']} (k8s {version}): {path}: {e.message}")
         kinds.add(o["kind"])
-    assert {"Namespace", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
             "NetworkPolicy", "ConfigMap", "PersistentVolumeClaim"} <= kinds
 
 
@@ -231,7 +285,7 @@ def test_gateway_deployment_service_hpa_pdb_fit_together(objs):
     svc = one(objs, "Service", "structd-gateway")
     assert selects(svc["spec"]["selector"], pod_labels)
     (port,) = svc["spec"]["ports"]
-    assert port["targetPort"] == "http" and port["port"] == _port(c, "http")
+    assert port["targetPort"] == "https" and port["port"] == _port(c, "https")
     hpa = one(objs, "HorizontalPodAutoscaler", "structd-gateway")
     ref = hpa["spec"]["scaleTargetRef"]
     assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", "structd-gateway")
@@ -246,7 +300,7 @@ def test_gateway_probes(objs):
     so an inference outage does not restart every gateway."""
     _, c = _gateway(objs)
     probes = {p: c[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert all(g["port"] == "http" for g in probes.values())
+    assert all(g["port"] == "https" and g["scheme"] == "HTTPS" for g in probes.values())
     assert probes["readinessProbe"]["path"] == "/health"
     assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/metrics"
 
@@ -271,7 +325,17 @@ def test_service_monitor_scrapes_the_gateway(objs):
     svc = one(objs, "Service", "structd-gateway")
     assert selects(sm["spec"]["selector"], svc["metadata"]["labels"])
     assert not selects(sm["spec"]["selector"], one(objs, "Service", "structd-grammar")["metadata"]["labels"])
-    assert [(e["port"], e.get("path", "/metrics")) for e in sm["spec"]["endpoints"]] == [("http", "/metrics")]
+    assert [(e["port"], e.get("path", "/metrics")) for e in sm["spec"]["endpoints"]] == [("https", "/metrics")]
+
+
+def test_gateway_ports_are_named_for_the_https_they_serve(objs):
+    """The gateway serves HTTPS only: a port named http (or no appProtocol) makes ingress controllers and meshes
+    that go by the name speak plaintext to it."""
+    _, c = _gateway(objs)
+    assert [p["name"] for p in c["ports"]] == ["https"]
+    (port,) = one(objs, "Service", "structd-gateway")["spec"]["ports"]
+    assert (port["name"], port["appProtocol"], port["targetPort"]) == ("https", "https", "https")
+    assert one(objs, "ServiceMonitor", "structd-gateway")["spec"]["endpoints"][0]["scheme"] == "https"
 
 
 # --- inference tier -------------------------------------------------------------------------
@@ -420,7 +484,7 @@ def test_container_args_parse_with_the_real_cli(objs, tmp_path):
         args = build_parser(env).parse_args(argv[1:] + [expand(a) for a in c.get("args", [])])
         if service == "gateway":
             cfg = gwconfig.from_args(args)
-            assert (cfg.host, cfg.port) == ("0.0.0.0", _port(c, "http")), where
+            assert (cfg.host, cfg.port) == ("0.0.0.0", _port(c, "https")), where
             assert cfg.tls is not None and cfg.target_tls is not None and cfg.target_tls.cert_file, \
                 f"{where}: HTTPS, and a client certificate towards the inference tier"
         elif service == "grammar":

@@ -273,7 +273,7 @@ def test_gateway_network_policy(objs):
     assert set(pol["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     assert selects(pol["spec"]["podSelector"], _labels(objs, "structd-gateway")[0])
     c = _container(_pods(objs, "structd-gateway")[0][2])
-    http = _port(c, "http")
+    http = _port(c, "https")
     client = {"structd.io/gateway-client": "true"}
     for who, labels, ns, expected in [
         ("a labelled client here", client, HERE, {http}),
