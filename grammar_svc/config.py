@@ -11,6 +11,7 @@ from shared.flags import FlagSet
 from shared.tls import ServerTls, add_server_flags, server_tls_from_args
 
 ENV_PREFIX = "STRUCTD_GRAMMAR_"
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class GrammarServiceConfig:
     max_compile_workers: int = 0
     compile_lane_after_seconds: float = 0.5
     compile_timeout_seconds: float = 10.0
+    # Which library compiles grammars when a request names none: xgrammar, llguidance, or auto (xgrammar,
+    # falling back to llguidance for what xgrammar refuses or has not compiled after fallback_after_seconds).
+    grammar_backend: str = "auto"
+    fallback_after_seconds: float = 2.0
     # Upper bound on the compile deadline a client may ask for (CompileRequest.timeout_seconds).
     max_compile_timeout_seconds: float = 60.0
     # How long a compile timeout is answered from the cache (it may have been the load's doing).
@@ -83,6 +88,10 @@ class GrammarServiceConfig:
             problems.append("--max-compile-timeout-seconds must be positive")
         elif self.compile_timeout_seconds > self.max_compile_timeout_seconds:
             problems.append("--compile-timeout-seconds must not exceed --max-compile-timeout-seconds")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            problems.append(f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}")
+        if not self.fallback_after_seconds > 0:
+            problems.append("--fallback-after-seconds must be positive")
         if self.compile_timeout_cache_seconds < 0:
             problems.append("--compile-timeout-cache-seconds must not be negative")
         if self.fill_threads < 1:
@@ -125,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--compile-lane-after-seconds", d.compile_lane_after_seconds,
           "a compile running this long opens an extra worker for the compiles waiting behind it")
     f.add("--compile-timeout-seconds", d.compile_timeout_seconds, "compile deadline when the request sets none")
+    f.add("--grammar-backend", d.grammar_backend,
+          "library that compiles a constraint whose request names none: xgrammar, llguidance, or auto (xgrammar, "
+          "falling back to llguidance for what xgrammar refuses, crashes on or has not compiled after "
+          "--fallback-after-seconds)")
+    f.add("--fallback-after-seconds", d.fallback_after_seconds,
+          "with --grammar-backend auto: how long a compile waits for xgrammar before llguidance serves the "
+          "constraint (keep it well under --compile-timeout-seconds)")
     f.add("--max-compile-timeout-seconds", d.max_compile_timeout_seconds,
           "cap on the compile deadline a request may ask for")
     f.add("--compile-timeout-cache-seconds", d.compile_timeout_cache_seconds,
@@ -169,6 +185,8 @@ def from_args(args: argparse.Namespace) -> GrammarServiceConfig:
         max_compile_workers=args.max_compile_workers,
         compile_lane_after_seconds=args.compile_lane_after_seconds,
         compile_timeout_seconds=args.compile_timeout_seconds,
+        grammar_backend=args.grammar_backend,
+        fallback_after_seconds=args.fallback_after_seconds,
         max_compile_timeout_seconds=args.max_compile_timeout_seconds,
         compile_timeout_cache_seconds=args.compile_timeout_cache_seconds,
         fill_threads=args.fill_threads,

@@ -30,6 +30,12 @@ class GrammarMetrics:
         self.compile_duration = Histogram(
             "grammar_svc_compile_duration_seconds", "Wall time of grammar compilations (cache misses that succeeded).",
             ["kind"], buckets=COMPILE_BUCKETS, registry=r)
+        self.backend_choices = Counter(
+            "grammar_svc_backend_choices_total",
+            "Compile requests answered, by the grammar backend that serves them (xgrammar, llguidance) and why: "
+            "requested (CompileRequest.backend), configured (--grammar-backend), default (auto: xgrammar in "
+            "time), xgrammar_refused, xgrammar_slow (past --fallback-after-seconds), xgrammar_crashed (auto's "
+            "fallbacks to llguidance).", ["backend", "reason"], registry=r)
         self.compile_failures = Counter(
             "grammar_svc_compile_failures_total",
             "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",

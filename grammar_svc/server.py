@@ -42,7 +42,8 @@ class GrammarServer(Hosted):
             compile_lane_after_seconds=config.compile_lane_after_seconds, metrics=self.metrics,
             max_tokenizers=config.max_tokenizers, max_compiles_per_caller=config.max_compiles_per_caller,
             tokenizers_in_sessions=self.limiter.fingerprints_in_use,
-            worker_memory_limit_bytes=config.worker_memory_limit_bytes)
+            worker_memory_limit_bytes=config.worker_memory_limit_bytes, grammar_backend=config.grammar_backend,
+            fallback_after_seconds=config.fallback_after_seconds)
         self.filler = MaskFiller(config.fill_threads, config.max_row_fill_seconds)
         self.checks = OutputChecks(self.backend, self.metrics, config.check_workers,
                                    memory_limit_bytes=config.worker_memory_limit_bytes)

@@ -36,6 +36,15 @@ _WHITESPACE = {
     pb.WHITESPACE_STYLE_FLEXIBLE: Whitespace.FLEXIBLE,
 }
 
+# CompileRequest.backend -> the backend's choice name ("": the replica's --grammar-backend), and back.
+_BACKEND = {
+    pb.GRAMMAR_BACKEND_UNSPECIFIED: "",
+    pb.GRAMMAR_BACKEND_AUTO: "auto",
+    pb.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
+    pb.GRAMMAR_BACKEND_LLGUIDANCE: "llguidance",
+}
+_BACKEND_PB = {name: value for value, name in _BACKEND.items() if name}
+
 _STATUS = {
     Status.OK: pb.SESSION_STATUS_OK,
     Status.TERMINATED: pb.SESSION_STATUS_TERMINATED,
@@ -118,8 +127,11 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
             remaining = context.time_remaining()
             if remaining is not None:
                 timeout = min(timeout, remaining) if timeout > 0 else min(remaining, self.backend.default_timeout_seconds)
+            if request.backend not in _BACKEND:
+                raise InvalidGrammarError(f"unknown grammar backend {request.backend}; use GRAMMAR_BACKEND_AUTO, "
+                                          "GRAMMAR_BACKEND_XGRAMMAR or GRAMMAR_BACKEND_LLGUIDANCE")
             result = await self.backend.compile(request.tokenizer_fingerprint, spec_from_proto(request.spec), timeout,
-                                                caller=caller_of(context))
+                                                caller=caller_of(context), backend=_BACKEND[request.backend])
         except Exception as e:  # noqa: BLE001 - mapped by the one status table
             # Set, not raised (shared.status.refuse says why): a refused spec is up to the message limit.
             return status_map.refuse(context, e)
@@ -127,7 +139,8 @@ class GrammarServicer(pb_grpc.GrammarServiceServicer):
         return pb.CompileResponse(
             grammar_id=entry.grammar_id, warnings=entry.warnings, cache_hit=result.cache_hit,
             compile_duration_seconds=entry.duration_seconds, memory_bytes=entry.memory_bytes,
-            warning_details=[compile_warning(w) for w in entry.warnings])
+            warning_details=[compile_warning(w) for w in entry.warnings], backend=_BACKEND_PB[result.backend],
+            backend_reason=result.reason)
 
     async def CheckOutput(self, request: pb.CheckOutputRequest, context):
         try:

@@ -64,8 +64,10 @@ def ServerThread(config: GrammarServiceConfig) -> ServiceThread:
 
 
 def start_grammar_server(**overrides) -> ServerThread:
+    # xgrammar alone unless a test asks for auto or llguidance: the suites pin xgrammar's compile deadlines,
+    # refusals and masks (tests/test_grammar_backends.py covers the fallback).
     cfg = dict(host="127.0.0.1", port=0, metrics_port=0, compile_workers=2, fill_threads=2,
-               session_idle_ttl_seconds=600.0)
+               session_idle_ttl_seconds=600.0, grammar_backend="xgrammar")
     cfg.update(overrides)
     return ServerThread(GrammarServiceConfig(**cfg))
 

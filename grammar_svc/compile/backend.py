@@ -9,6 +9,17 @@ whose every caller went away is cancelled (its worker is killed). A worker
 that dies under a compile is replaced and the compile retried; a spec that
 kills `CRASH_LIMIT` workers in a row is refused from the failure cache.
 
+Two libraries compile grammars: xgrammar (in the workers; masks are cached
+lookups, a large schema costs seconds to minutes) and llguidance (in
+process, ready at once, masks computed lazily: llguidance_backend.py). A
+request names one (CompileRequest.backend), or the replica's
+--grammar-backend decides; `auto` compiles with xgrammar and falls back to
+llguidance when xgrammar refuses the grammar, crashes on it, or has not
+finished after --fallback-after-seconds (its compile is then stopped, unless
+llguidance refuses the grammar too). A fallback is cached under
+llguidance's grammar id, so the next request for the same spec is answered
+from it without trying xgrammar again.
+
 Per-caller limits live here too: distinct compiles a caller may wait on
 (caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
 short is INVALID_ARGUMENT naming --max-compile-timeout-seconds, not a
@@ -22,7 +33,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import xgrammar as xgr
@@ -30,6 +41,7 @@ import xgrammar as xgr
 from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
+from grammar_svc.compile.llguidance_backend import AUTO, LLGUIDANCE, compile_llguidance
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
@@ -46,10 +58,24 @@ CRASH_LIMIT = 2
 CRASH_MEMORY = 4096
 
 
+# Why a compile was served by the backend that served it (grammar_svc_backend_choices_total's reason label):
+# requested (CompileRequest.backend), configured (--grammar-backend names one), default (auto: xgrammar
+# compiled it), and auto's fallbacks to llguidance.
+REQUESTED, CONFIGURED, DEFAULT = "requested", "configured", "default"
+XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED = "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed"
+FALLBACK_REASONS = (XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED)
+
+
 @dataclass(frozen=True)
 class CompileResult:
     entry: CompiledEntry
     cache_hit: bool
+    # Why the entry's backend serves this request.
+    reason: str = DEFAULT
+
+    @property
+    def backend(self) -> str:
+        return self.entry.backend
 
 
 class _Flight:
@@ -67,7 +93,10 @@ class GrammarBackend:
                  timeout_cache_seconds: float = 30.0, max_compile_workers: int = 0,
                  compile_lane_after_seconds: float = 0.5, max_tokenizers: int = 16,
                  max_compiles_per_caller: int = 64,
-                 tokenizers_in_sessions: Callable[[], set[str]] = set, worker_memory_limit_bytes: int = 0):
+                 tokenizers_in_sessions: Callable[[], set[str]] = set, worker_memory_limit_bytes: int = 0,
+                 grammar_backend: str = AUTO, fallback_after_seconds: float = 2.0):
+        self.grammar_backend = grammar_backend
+        self.fallback_after_seconds = fallback_after_seconds
         self._tokenizers_in_sessions = tokenizers_in_sessions
         self.tokenizers = TokenizerRegistry(max_tokenizers, self._tokenizers_in_use)
         self.callers = CallerCompiles(max_compiles_per_caller, metrics)
@@ -117,14 +146,24 @@ class GrammarBackend:
         return tok, already
 
     async def compile(self, fingerprint: str, spec: GrammarSpec, timeout_seconds: float = 0.0,
-                      caller: str | None = None) -> CompileResult:
+                      caller: str | None = None, backend: str = "") -> CompileResult:
         """The compiled grammar, from the cache or compiled now. `caller` (None: the server itself, e.g.
-        the preload) counts against --max-compiles-per-caller while it waits on a compile."""
+        the preload) counts against --max-compiles-per-caller while it waits on a compile. `backend`
+        (xgrammar, llguidance, auto; "": --grammar-backend) chooses the library."""
         timeout = timeout_seconds if timeout_seconds > 0 else self.default_timeout_seconds
         # The client chooses its deadline, the operator how much of a core one compile may hold.
         capped = timeout > self.max_timeout_seconds
+        timeout = min(timeout, self.max_timeout_seconds)
+        choice = backend or self.grammar_backend
         try:
-            return await self._compile(fingerprint, spec, min(timeout, self.max_timeout_seconds), caller)
+            if choice == AUTO:
+                result = await self._compile_auto(fingerprint, spec, timeout, caller)
+            else:
+                reason = REQUESTED if backend else CONFIGURED
+                if choice == LLGUIDANCE:
+                    result = await self._compile_llguidance(fingerprint, spec, timeout, reason)
+                else:
+                    result = replace(await self._compile(fingerprint, spec, timeout, caller), reason=reason)
         except WorkersBusyError:
             raise  # the queue's doing, not the cap's
         except CompileTimeoutError as e:
@@ -135,6 +174,91 @@ class GrammarBackend:
                 f"{spec.kind.value} compilation ran to this replica's cap of {self.max_timeout_seconds:g} s "
                 f"(--max-compile-timeout-seconds) before the {timeout:g} s asked for; simplify the constraint "
                 "or ask the operator to raise the cap") from e
+        self.metrics.backend_choices.labels(result.backend, result.reason).inc()
+        return result
+
+    async def _compile_auto(self, fingerprint: str, spec: GrammarSpec, timeout: float,
+                            caller: str | None) -> CompileResult:
+        """xgrammar's grammar, unless xgrammar refuses it, crashes on it or is still compiling it after
+        --fallback-after-seconds: then llguidance's (xgrammar's answer where llguidance refuses it too)."""
+        fallback = self.cache.get(spec.grammar_id(fingerprint, LLGUIDANCE))
+        if isinstance(fallback, CompiledEntry) and fallback.backend_reason in FALLBACK_REASONS:
+            # Decided before: xgrammar is not tried again while the fallback is cached.
+            self.metrics.cache_hits.labels(spec.kind.value).inc()
+            return CompileResult(fallback, True, fallback.backend_reason)
+        start = time.monotonic()
+        first = asyncio.ensure_future(self._compile(fingerprint, spec, timeout, caller))
+        try:
+            done, _ = await asyncio.wait({first}, timeout=min(self.fallback_after_seconds, timeout))
+        except BaseException:
+            first.cancel()  # the caller went away: so does its share of the compile
+            raise
+        if not done:
+            try:
+                result = await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start),
+                                                        XGRAMMAR_SLOW)
+            except BaseException as e:
+                if not isinstance(e, (InvalidGrammarError, CompileTimeoutError)):
+                    first.cancel()
+                    raise
+                # llguidance cannot serve it: xgrammar's compile, still running, is the answer after all.
+                return replace(await first, reason=DEFAULT)
+            # Cancelling the last waiter stops xgrammar's compile (its worker is killed).
+            first.cancel()
+            return result
+        try:
+            return replace(first.result(), reason=DEFAULT)
+        except InvalidGrammarError as e:
+            refusal, reason = e, XGRAMMAR_REFUSED
+        except GrammarCrashError as e:
+            refusal, reason = e, XGRAMMAR_CRASHED
+        except CompileTimeoutError as e:  # a remembered timeout, or a deadline shorter than the budget
+            refusal, reason = e, XGRAMMAR_SLOW
+        try:
+            return await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
+        except (InvalidGrammarError, CompileTimeoutError):
+            raise refusal from None  # both refuse it: xgrammar's reason is the one clients know
+
+    async def _compile_llguidance(self, fingerprint: str, spec: GrammarSpec, timeout: float,
+                                  reason: str) -> CompileResult:
+        """llguidance's grammar (no worker: it builds lazily, so a compile is a validation; it runs on a thread,
+        llguidance releasing the GIL)."""
+        kind = spec.kind.value
+        tokenizer = self.tokenizers.get(fingerprint)
+        grammar_id = spec.grammar_id(fingerprint, LLGUIDANCE)
+        cached = self.cache.get(grammar_id)
+        if isinstance(cached, CompiledEntry):
+            self.metrics.cache_hits.labels(kind).inc()
+            return CompileResult(cached, True, reason)
+        if isinstance(cached, FailedEntry):
+            self.metrics.cache_hits.labels(kind).inc()
+            raise cached.error
+        self.metrics.cache_misses.labels(kind).inc()
+        start = time.perf_counter()
+        try:
+            spec.validate(self.max_spec_bytes)
+            if timeout <= 0:
+                raise CompileTimeoutError(f"{kind} compilation left no time for llguidance; retry with a longer "
+                                          "deadline")
+            compiled = await asyncio.wait_for(asyncio.to_thread(compile_llguidance, tokenizer, spec), timeout)
+        except asyncio.TimeoutError:
+            self.metrics.compile_failures.labels(kind, "timeout").inc()
+            raise CompileTimeoutError(f"{kind} compilation (llguidance) exceeded its {timeout:g} s deadline; "
+                                      "retry later") from None
+        except StructdError as e:
+            self.metrics.compile_failures.labels(
+                kind, "timeout" if isinstance(e, CompileTimeoutError) else _reason(e)).inc()
+            if isinstance(e, InvalidGrammarError):
+                self.cache.put(FailedEntry(grammar_id, e))
+            raise
+        duration = time.perf_counter() - start
+        self.metrics.compile_duration.labels(kind).observe(duration)
+        entry = CompiledEntry(grammar_id, compiled, tokenizer, (), duration, compiled.memory_size_bytes,
+                              json_schema=spec.text if spec.kind is Kind.JSON_SCHEMA else None,
+                              backend=LLGUIDANCE, backend_reason=reason)
+        self.cache.put(entry)
+        self.metrics.cache_bytes.set(self.cache.bytes)
+        return CompileResult(entry, False, reason)
 
     async def _compile(self, fingerprint: str, spec: GrammarSpec, timeout: float,
                        caller: str | None) -> CompileResult:

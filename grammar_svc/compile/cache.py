@@ -26,13 +26,16 @@ FAILURE_OVERHEAD_BYTES = 512
 @dataclass(frozen=True)
 class CompiledEntry:
     grammar_id: str
-    compiled: Any  # xgrammar.CompiledGrammar
+    compiled: Any  # xgrammar.CompiledGrammar, or llguidance_backend.LlguidanceGrammar
     tokenizer: Any  # grammar_svc.compile.tokenizer_registry.RegisteredTokenizer
     warnings: tuple[str, ...]
     duration_seconds: float
     memory_bytes: int
     # The JSON Schema text for json_schema grammars (what CheckOutput validates against), else None.
     json_schema: str | None = None
+    # Which library compiled it ("xgrammar" or "llguidance") and, for a fallback, why xgrammar did not serve it.
+    backend: str = "xgrammar"
+    backend_reason: str = ""
 
 
 @dataclass(frozen=True)

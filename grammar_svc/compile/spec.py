@@ -70,8 +70,9 @@ class GrammarSpec:
             if not isinstance(tag, dict):
                 raise InvalidGrammarError("structural_tag must be a JSON object")
 
-    def cache_key(self, tokenizer_fingerprint: str) -> str:
-        """Stable across processes and replicas: the grammar id is derived from it."""
+    def cache_key(self, tokenizer_fingerprint: str, backend: str = "xgrammar") -> str:
+        """Stable across processes and replicas: the grammar id is derived from it. The backend is part of it
+        (another library is another grammar), named only for llguidance so xgrammar's ids stay as they were."""
         o = self.json_options
         parts = [
             tokenizer_fingerprint,
@@ -87,10 +88,12 @@ class GrammarSpec:
             str(int(o.lenient)),
             self.text,
         ]
+        if backend != "xgrammar":
+            parts.insert(1, backend)
         return "\x1f".join(parts)
 
-    def grammar_id(self, tokenizer_fingerprint: str) -> str:
-        return hashlib.sha256(self.cache_key(tokenizer_fingerprint).encode("utf-8")).hexdigest()[:32]
+    def grammar_id(self, tokenizer_fingerprint: str, backend: str = "xgrammar") -> str:
+        return hashlib.sha256(self.cache_key(tokenizer_fingerprint, backend).encode("utf-8")).hexdigest()[:32]
 
 
 def _parse_json(text: str, what: str):

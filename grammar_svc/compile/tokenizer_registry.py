@@ -74,6 +74,8 @@ class RegisteredTokenizer:
     token_bytes: tuple[bytes, ...]
     # Jump-forward tokenizations already worked out for this tokenizer.
     forced_memo: ForcedTokensMemo = field(default_factory=ForcedTokensMemo, compare=False, repr=False)
+    # llguidance's LLTokenizer for this tokenizer, built on the first llguidance grammar (llguidance_backend.py).
+    llguidance: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _inflate(data: bytes, what: str) -> str:

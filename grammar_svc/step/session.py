@@ -1,4 +1,5 @@
-"""Request-level grammar session (MatcherSession): one xgrammar matcher and what it has accepted.
+"""Request-level grammar session (MatcherSession): one matcher (xgrammar's, or llguidance's behind xgrammar's
+interface: compile/llguidance_backend.py) and what it has accepted.
 
 Its state is a pure function of (grammar, accepted tokens), which is what
 makes failover by replay possible: a session reopened elsewhere with the same
@@ -12,6 +13,7 @@ import time
 import xgrammar as xgr
 
 from grammar_svc.compile.cache import CompiledEntry
+from grammar_svc.compile.llguidance_backend import LLGUIDANCE, LlguidanceMatcher
 from grammar_svc.step.jump_forward import forced_tokens
 from shared.errors import InvalidRequestError
 
@@ -22,7 +24,8 @@ class MatcherSession:
     def __init__(self, session_id: int, entry: CompiledEntry, *, terminate_without_stop_token: bool = False):
         self.session_id = session_id
         self.entry = entry
-        self.matcher = xgr.GrammarMatcher(entry.compiled, terminate_without_stop_token=terminate_without_stop_token)
+        matcher = LlguidanceMatcher if entry.backend == LLGUIDANCE else xgr.GrammarMatcher
+        self.matcher = matcher(entry.compiled, terminate_without_stop_token=terminate_without_stop_token)
         self.num_accepted = 0
         self.last_token: int | None = None
         self.last_used = time.monotonic()

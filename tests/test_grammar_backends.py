@@ -1,0 +1,259 @@
+"""Two grammar backends behind one service (issue 26): llguidance beside xgrammar, over real gRPC.
+
+- The same constraint compiled by each backend (CompileRequest.backend) gives sessions whose masks are
+  the same over seeded random walks, rollbacks included, where both libraries are exact (regexes,
+  choices, EBNF); for JSON Schema llguidance's masks are never wider than xgrammar's (it also keeps a
+  forced string to the tokenizer's own tokenization of it, where xgrammar allows any split; the one
+  exception seen is -0, a JSON integer llguidance writes and xgrammar does not).
+- auto (a dedicated server with a small --fallback-after-seconds): a schema xgrammar compiles for tens of
+  seconds is served by llguidance (reason xgrammar_slow), remembered in the cache; a pattern xgrammar
+  refuses is served by llguidance (xgrammar_refused); one both refuse keeps xgrammar's INVALID_ARGUMENT;
+  grammar_svc_backend_choices_total counts each choice.
+- A grammar replica on --grammar-backend llguidance serves constrained requests end to end through the
+  inference service: the outputs are valid and checked.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import grpc
+import numpy as np
+import pytest
+
+from shared.codec import words_for_vocab
+from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.grammar_client import GrammarClient, decode_masks
+from tests.conftest import TOO_SLOW_SCHEMA, InferenceServerThread, run, start_grammar_server
+from tests.test_grammar_rpcs import call, end_stream, json_schema, salt
+
+XGRAMMAR, LLGUIDANCE = pb.GRAMMAR_BACKEND_XGRAMMAR, pb.GRAMMAR_BACKEND_LLGUIDANCE
+
+
+def compile_on(client: GrammarClient, fingerprint: str, spec: pb.GrammarSpec, backend: int,
+               timeout_seconds: float = 20.0) -> pb.CompileResponse:
+    return client.stub.Compile(pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, backend=backend,
+                                                 timeout_seconds=timeout_seconds), timeout=120)
+
+
+def bits(row: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+async def walk_both(target: str, fingerprint: str, vocab: int, stop_ids: set[int], spec: pb.GrammarSpec,
+                    seed: int, steps: int = 40) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One session per backend, fed the same tokens (drawn from llguidance's mask, with a rollback now and
+    then); the masks of every step, (xgrammar's, llguidance's)."""
+    client = GrammarClient(target)
+    try:
+        x = await compile_on(client, fingerprint, spec, XGRAMMAR)
+        g = await compile_on(client, fingerprint, spec, LLGUIDANCE)
+        assert (x.backend, g.backend) == (XGRAMMAR, LLGUIDANCE)
+        assert (x.backend_reason, g.backend_reason) == ("requested", "requested")
+        assert x.grammar_id != g.grammar_id  # the backend is part of the grammar id
+        stream = client.open_stream(vocab)
+        rng = random.Random(seed)
+        bitmask = np.zeros((2, words_for_vocab(vocab)), dtype=np.int32)
+        masks = []
+        accepted = 0
+        ops = [pb.SessionStep(session_id=1, open=pb.OpenSession(grammar_id=x.grammar_id)),
+               pb.SessionStep(session_id=2, open=pb.OpenSession(grammar_id=g.grammar_id))]
+        try:
+            for _ in range(steps):
+                resp = await stream.step(ops)
+                assert [r.status for r in resp.results] == [pb.SESSION_STATUS_OK] * 2, resp
+                bitmask[:] = 0
+                assert decode_masks(resp, stream.decoder, bitmask) == [0, 1]
+                xm, gm = bits(bitmask[0], vocab), bits(bitmask[1], vocab)
+                masks.append((xm, gm))
+                # Text tokens only: a stop token would end the walk.
+                allowed = [int(t) for t in np.flatnonzero(gm) if int(t) not in stop_ids]
+                if not allowed:
+                    break
+                if accepted >= 2 and rng.random() < 0.15:
+                    # The next masks are those of two tokens ago.
+                    accepted -= 2
+                    ops = [pb.SessionStep(session_id=s, rollback_tokens=2) for s in (1, 2)]
+                    continue
+                token = allowed[rng.randrange(len(allowed))]
+                accepted += 1
+                ops = [pb.SessionStep(session_id=s, accept_token_ids=[token]) for s in (1, 2)]
+            resp = await stream.step([pb.SessionStep(session_id=s, close=True) for s in (1, 2)])
+            await end_stream(stream)
+        except BaseException:
+            stream.cancel()
+            raise
+        return masks
+    finally:
+        await client.close()
+
+
+EXACT = [
+    pytest.param(pb.GrammarSpec(regex="[a-c]+x"), id="regex-class"),
+    pytest.param(pb.GrammarSpec(regex="(ab|cd){2,5}"), id="regex-repeat"),
+    pytest.param(pb.GrammarSpec(regex="[0-9]{3}-[a-z]+"), id="regex-digits-letters"),
+    pytest.param(pb.GrammarSpec(choice=pb.ChoiceList(choices=["yes", "no", 'a"b\\c'])), id="choice-escapes"),
+    pytest.param(pb.GrammarSpec(ebnf=pb.Ebnf(grammar='root ::= "a" b+\nb ::= [0-9] | "x"')), id="ebnf"),
+]
+
+
+@pytest.mark.parametrize("spec", EXACT)
+def test_llguidance_masks_equal_xgrammar_masks(registered, xgr_tokenizer_info, spec):
+    stops = set(xgr_tokenizer_info.stop_token_ids)
+    for seed in range(3):
+        masks = run(walk_both(registered.target, registered.fingerprint, registered.vocab_size, stops, spec, seed))
+        for step, (xm, gm) in enumerate(masks):
+            assert np.array_equal(xm, gm), (seed, step, np.flatnonzero(xm ^ gm)[:10])
+
+
+@pytest.mark.parametrize("schema", [
+    # Non-negative: llguidance writes -0, a JSON integer xgrammar never writes.
+    pytest.param({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}, "b": {"type": "boolean"}},
+                  "required": ["a", "b"]}, id="object"),
+    pytest.param({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 5},
+                 id="array"),
+    pytest.param({"enum": ["red", "green", "blue"]}, id="enum"),
+])
+def test_llguidance_json_masks_within_xgrammar_masks(registered, xgr_tokenizer_info, schema):
+    spec = json_schema({"title": salt(), **schema})
+    masks = run(walk_both(registered.target, registered.fingerprint, registered.vocab_size,
+                          set(xgr_tokenizer_info.stop_token_ids), spec, 7, steps=25))
+    equal = 0
+    for step, (xm, gm) in enumerate(masks):
+        assert not (gm & ~xm).any(), (step, np.flatnonzero(gm & ~xm)[:10])
+        equal += np.array_equal(xm, gm)
+    assert equal, "no step where both backends agree exactly"
+
+
+def test_llguidance_refuses_what_it_cannot_lay_out(registered):
+    async def go():
+        client = GrammarClient(registered.target)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await compile_on(client, registered.fingerprint, json_schema(
+                    {"type": "object"}, whitespace=pb.WHITESPACE_STYLE_INDENTED), LLGUIDANCE)
+            return info.value
+        finally:
+            await client.close()
+
+    err = run(go())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "indented" in err.details()
+
+
+# ---------------------------------------------------------------- auto: the fallback
+
+
+@pytest.fixture(scope="module")
+def auto_server(tokenizer_desc):
+    srv = start_grammar_server(grammar_backend="auto", fallback_after_seconds=0.5, compile_workers=1)
+    call(srv.target, lambda client: client.register_tokenizer(tokenizer_desc))
+    yield srv
+    srv.stop()
+
+
+def choices(srv, backend: str, reason: str) -> float:
+    return srv.server.metrics.registry.get_sample_value(
+        "grammar_svc_backend_choices_total", {"backend": backend, "reason": reason}) or 0.0
+
+
+def auto_compile(srv, fingerprint: str, spec: pb.GrammarSpec) -> pb.CompileResponse:
+    return call(srv.target, lambda client: client.compile(fingerprint, spec, timeout_seconds=20.0, rpc_timeout=120))
+
+
+def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, tokenizer_desc, hf_tokenizer,
+                                                                    xgr_tokenizer_info):
+    schema = {"title": salt(), **TOO_SLOW_SCHEMA}
+    before = choices(auto_server, "llguidance", "xgrammar_slow")
+    # Within the 20 s deadline, where xgrammar needs tens of seconds (conftest.TOO_SLOW_SCHEMA).
+    first = auto_compile(auto_server, tokenizer_desc.fingerprint, json_schema(schema))
+    assert (first.backend, first.backend_reason, first.cache_hit) == (LLGUIDANCE, "xgrammar_slow", False)
+    again = auto_compile(auto_server, tokenizer_desc.fingerprint, json_schema(schema))
+    assert (again.grammar_id, again.backend, again.cache_hit) == (first.grammar_id, LLGUIDANCE, True)
+    assert choices(auto_server, "llguidance", "xgrammar_slow") == before + 2
+    # The session is a real one: a valid document is accepted whole and may end there.
+    document = json.dumps({f"k{i}": "v" * i for i in range(40)}, separators=(",", ":"))
+    tokens = hf_tokenizer.encode(document, add_special_tokens=False)
+    eos = xgr_tokenizer_info.stop_token_ids[0]
+
+    async def feed():
+        client = GrammarClient(auto_server.target)
+        stream = client.open_stream(tokenizer_desc.vocab_size)
+        try:
+            resp = await stream.step([pb.SessionStep(session_id=1, open=pb.OpenSession(grammar_id=first.grammar_id),
+                                                     accept_token_ids=tokens + [eos])])
+            await end_stream(stream)
+            return resp.results[0]
+        except BaseException:
+            stream.cancel()
+            raise
+        finally:
+            await client.close()
+
+    result = run(feed())
+    assert result.status == pb.SESSION_STATUS_TERMINATED, result
+    assert result.accepted_count == len(tokens) + 1
+
+
+def test_a_pattern_xgrammar_refuses_is_served_by_llguidance(auto_server, tokenizer_desc):
+    spec = json_schema({"title": salt(), "type": "string", "pattern": r"\p{L}+"})
+    out = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (out.backend, out.backend_reason) == (LLGUIDANCE, "xgrammar_refused")
+
+
+def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer_desc):
+    with pytest.raises(grpc.RpcError) as info:
+        auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=r"\w+\b" + salt()))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Regex parsing error" in info.value.details()
+
+
+def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer_desc):
+    before = choices(auto_server, "xgrammar", "default")
+    out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
+    assert (out.backend, out.backend_reason) == (XGRAMMAR, "default")
+    assert choices(auto_server, "xgrammar", "default") == before + 1
+
+
+# ---------------------------------------------------------------- end to end: a replica serving llguidance
+
+
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 3, "maxItems": 6}
+
+
+@pytest.fixture(scope="module")
+def llguidance_stack():
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+
+    grammar = start_grammar_server(grammar_backend="llguidance", compile_workers=1)
+    cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar.target,),
+                                 simulate_step_ms=1.0, engine=EngineConfig(max_num_seqs=4, default_max_tokens=64))
+    srv = InferenceServerThread(cfg)
+    yield srv, grammar
+    srv.stop()
+    grammar.stop()
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(json_schema=DIGITS), id="json-schema"),
+    pytest.param(dict(regex="[a-z]{2,5}-[0-9]{2}"), id="regex"),
+])
+def test_inference_through_an_llguidance_replica(llguidance_stack, options):
+    from shared.inference_client import InferenceClient
+
+    srv, grammar = llguidance_stack
+    before = choices(grammar, "llguidance", "configured")
+    with InferenceClient(srv.target) as client:
+        outs = [client.complete("go", max_tokens=64, temperature=1.0, seed=seed, timeout=120, **options)
+                for seed in range(3)]
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        if "json_schema" in options:
+            values = json.loads(out.text)
+            assert 3 <= len(values) <= 6 and all(0 <= v <= 9 for v in values)
+            assert out.schema_check == "valid"
+        else:
+            import re
+
+            assert re.fullmatch(options["regex"], out.text), out.text
+    assert choices(grammar, "llguidance", "configured") > before
