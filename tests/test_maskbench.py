@@ -1,20 +1,29 @@
-"""MaskBench-style mask checks through the service, against xgrammar directly.
+"""MaskBench-style verdicts on labelled instances: the service, structd's grammar in process, xgrammar's own grammar.
 
 A deterministic subset of ../shared/data/maskbench-sample.jsonl (every 9th
-schema with all its test instances) is compiled through the service and with
-xgrammar directly, with the options the service uses (compact JSON, strict,
+schema with all its test instances) is compiled through the service, as
+structd's grammar in this process (grammar_svc/schema/json_grammar.py), and
+as xgrammar's own grammar for the same schema (GrammarCompiler.
+compile_json_schema), all with the service's options (compact JSON, strict,
 schema key order). Each instance is serialized as compact JSON, tokenized
 with the HF tokenizer, terminated with the stop token and fed token by token:
 through the service (one session per instance, all sessions in each step
-message, masks on) and through a local xgrammar matcher. A valid instance
-passes when it is accepted to the end, an invalid one when it is rejected
-somewhere.
+message, masks on) and through local matchers of both grammars. A valid
+instance passes when it is accepted to the end, an invalid one when it is
+rejected somewhere.
 
-The service must reach exactly xgrammar's verdict on every instance (so its
-pass rates equal xgrammar's), and every mask it sends must agree with what it
-then accepts: a token is accepted exactly when the previous mask allowed it.
+- The service reaches exactly the verdict of structd's grammar in process on
+  every instance (the service adds nothing to its grammar), and every mask it
+  sends agrees with what it then accepts.
+- Against xgrammar's own grammar, structd differs on purpose: it normalises
+  the schema (`allOf` merged, a root's `type` and an object's `properties`
+  kept beside `anyOf`/`oneOf`), writes strings as JSON strings and untyped
+  values compactly (json_grammar.py lists them). Where the two verdicts
+  differ, structd's must be the instance's label, except the divergences
+  listed in STRUCTD_WRONG with what is known of them; and structd's pass
+  rates must be at least xgrammar's own.
 Valid instances whose keys are not in schema order, or that use properties
-the schema does not list, fail in strict mode on both sides: that is
+the schema does not list, fail in strict mode on every side: that is
 xgrammar's behaviour with these options, not the service's.
 """
 
@@ -39,6 +48,13 @@ from tests.conftest import load_jsonl, run, shared_data
 
 EVERY = 9
 COMPILE_TIMEOUT_SECONDS = 3.0
+# Instances where structd's verdict is wrong and xgrammar's own grammar's right: (schema, instance text) -> what is
+# known. Found when this comparison was added (issue 30); not explained yet, not deliberate.
+STRUCTD_WRONG = {
+    ("JsonSchemaStore---strmprivacy.api.entities.v1.Stream.json",
+     '{"enabled":true,"maskedFields":{"fieldPatterns":{"contract-ref-1":{"fieldPatterns":[123,"field2"]}'):
+        "an integer accepted in a patternProperties array of strings (not normalisation: the same without it)",
+}
 # About 165 instances (of 52 schemas) are evaluated on an idle machine.
 MIN_INSTANCES = 120
 
@@ -51,6 +67,7 @@ class Instance:
     text: str
     ids: list[int]  # with the stop token appended
     direct_reject: int | None = None  # index of the first rejected token, None if accepted to the end
+    own_reject: int | None = None  # the same under xgrammar's own grammar for the schema
     service_reject: int | None = None
     service_done: bool = False
 
@@ -62,6 +79,10 @@ class Instance:
     def service_pass(self) -> bool:
         return (self.service_reject is None) == self.valid
 
+    @property
+    def own_pass(self) -> bool:
+        return (self.own_reject is None) == self.valid
+
 
 @dataclass
 class Bench:
@@ -71,6 +92,7 @@ class Bench:
     refused: int
     refused_instances: int
     timeout_instances: int
+    own_refused: list[str]  # schemas structd compiled and xgrammar's own converter refused
     mask_disagreements: list[str]
     seconds: float
 
@@ -99,6 +121,7 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
     async def compile_all(client):
         out = []
         timeouts = refused = refused_instances = timeout_instances = 0
+        own_refused: list[str] = []
         for row in rows:
             text = json.dumps(row["schema"])
             await idle_worker()
@@ -117,17 +140,23 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
             try:
                 # The service's grammar for it (grammar_svc/schema/json_grammar.py), compiled here.
                 compiled = compile_json_schema(compiler, text, JsonOptions())
-            except Exception:  # noqa: BLE001 - xgrammar refuses the schema
+            except Exception:  # noqa: BLE001 - structd's path refuses the schema
                 compiled = None
-            assert service_ok == (compiled is not None), f"{row['name']}: service and xgrammar disagree on compiling"
+            assert service_ok == (compiled is not None), f"{row['name']}: the service and structd's grammar in " \
+                                                         "process disagree on compiling"
             if compiled is None:
                 refused += 1
                 refused_instances += len(row["tests"])
                 continue
-            out.append((row, gid, compiled))
+            try:
+                own = compiler.compile_json_schema(text, **kwargs)
+            except Exception:  # noqa: BLE001 - xgrammar's own converter refuses the schema
+                own = None
+                own_refused.append(row["name"])
+            out.append((row, gid, compiled, own))
         # Leave the shared server as found: every worker back and idle.
         await idle_worker(pool.base_workers)
-        return out, timeouts, refused, refused_instances, timeout_instances
+        return out, timeouts, refused, refused_instances, timeout_instances, own_refused
 
     def direct(compiled, ids) -> int | None:
         m = xgr.GrammarMatcher(compiled)
@@ -187,14 +216,16 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
     async def go():
         client = GrammarClient(registered.target)
         try:
-            compiled, timeouts, refused, refused_instances, timeout_instances = await compile_all(client)
+            compiled, timeouts, refused, refused_instances, timeout_instances, own_refused = await compile_all(client)
             instances, sessions = [], {}
-            for row, gid, grammar in compiled:
+            for row, gid, grammar, own in compiled:
                 for test in row["tests"]:
                     text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
                     ids = hf_tokenizer.encode(text, add_special_tokens=False) + [eos]
                     inst = Instance(row["name"], row["group"], bool(test["valid"]), text, ids)
                     inst.direct_reject = direct(grammar, ids)
+                    # xgrammar's own grammar refusing the schema: its verdict on every instance is a rejection.
+                    inst.own_reject = direct(own, ids) if own is not None else 0
                     instances.append(inst)
                     sessions[len(instances)] = (gid, inst)
             stream = client.open_stream(vocab)
@@ -202,7 +233,7 @@ def bench(grammar_server, registered, xgr_tokenizer_info, hf_tokenizer) -> Bench
                 disagreements = await feed(stream, sessions)
             finally:
                 await stream.close()
-            return Bench(instances, len(rows), timeouts, refused, refused_instances, timeout_instances,
+            return Bench(instances, len(rows), timeouts, refused, refused_instances, timeout_instances, own_refused,
                          disagreements, time.monotonic() - start)
         finally:
             await client.close()
@@ -221,6 +252,8 @@ def summary(b: Bench) -> dict[str, float]:
         "direct_accept_valid": rate([i.direct_pass for i in valid]),
         "service_reject_invalid": rate([i.service_pass for i in invalid]),
         "direct_reject_invalid": rate([i.direct_pass for i in invalid]),
+        "own_accept_valid": rate([i.own_pass for i in valid]),
+        "own_reject_invalid": rate([i.own_pass for i in invalid]),
     }
 
 
@@ -236,23 +269,35 @@ def test_subset_is_meaningful(bench):
     assert all(i.service_done for i in bench.instances)
 
 
-def test_service_verdict_equals_xgrammar_on_every_instance(bench):
+def test_service_verdict_equals_structds_grammar_in_process_on_every_instance(bench):
     diff = [f"{i.schema_name} ({'valid' if i.valid else 'invalid'}): service rejects at {i.service_reject}, "
-            f"xgrammar at {i.direct_reject}: {i.text[:120]}"
+            f"the grammar in process at {i.direct_reject}: {i.text[:120]}"
             for i in bench.instances if i.service_reject != i.direct_reject]
     assert not diff, "\n".join(diff[:20])
 
 
-def test_pass_rates_at_least_xgrammar(bench, record_property):
+def test_where_structd_and_xgrammars_own_grammar_differ_structd_is_right(bench):
+    differ = [i for i in bench.instances if (i.service_reject is None) != (i.own_reject is None)]
+    wrong = [f"{i.schema_name} ({'valid' if i.valid else 'invalid'}): structd "
+             f"{'accepts' if i.service_reject is None else 'rejects'}, xgrammar's own grammar does not: {i.text[:120]}"
+             for i in differ if not i.service_pass and not any(
+                 i.schema_name == name and i.text.startswith(start) for name, start in STRUCTD_WRONG)]
+    assert not wrong, "\n".join(wrong[:20])
+    # Not vacuous: on this subset structd's changes decide some verdicts (normalisation most of them).
+    assert sum(i.service_pass for i in differ) >= 5, [i.schema_name for i in differ]
+
+
+def test_pass_rates_at_least_xgrammars_own_grammar(bench, record_property):
     s = summary(bench)
     for k, v in s.items():
         record_property(k, v)
-    print(f"\nmaskbench pass rates on {s['instances']} instances: "
-          f"valid accepted: service {s['service_accept_valid']:.1%} vs xgrammar {s['direct_accept_valid']:.1%} "
-          f"({s['valid']} valid); invalid rejected: service {s['service_reject_invalid']:.1%} vs xgrammar "
-          f"{s['direct_reject_invalid']:.1%} ({s['invalid']} invalid)")
-    assert s["service_accept_valid"] >= s["direct_accept_valid"]
-    assert s["service_reject_invalid"] >= s["direct_reject_invalid"]
+    print(f"\nmaskbench pass rates on {s['instances']} instances: valid accepted: service "
+          f"{s['service_accept_valid']:.1%} vs xgrammar's own grammar {s['own_accept_valid']:.1%} ({s['valid']} "
+          f"valid); invalid rejected: service {s['service_reject_invalid']:.1%} vs xgrammar's own grammar "
+          f"{s['own_reject_invalid']:.1%} ({s['invalid']} invalid); schemas only xgrammar's own converter refused: "
+          f"{bench.own_refused}")
+    assert s["service_accept_valid"] >= s["own_accept_valid"]
+    assert s["service_reject_invalid"] >= s["own_reject_invalid"]
     # Not vacuous: most valid instances do get through, most invalid ones do not.
     assert s["service_accept_valid"] > 0.5 and s["service_reject_invalid"] > 0.5
 
