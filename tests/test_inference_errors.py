@@ -70,20 +70,20 @@ OTHER_GRAMMAR = "z"
 DESYNC_REGEX = "[0-9]{300}"
 
 
-def _switch_grammar_of_live_sessions(grammar_server, regex: str) -> int:
-    """Gives each session on the replica that has accepted tokens, between two of its steps (under its stream's
-    lock), a matcher of another grammar: the replica's state diverges from the mask the engine last sampled under,
-    which no correct replica does, and the engine's handling of it is what is tested."""
+def _switch_grammar(grammar_server, grammar_id: str, session_id: int, regex: str) -> int:
+    """Gives the request's session on the replica, between two of its steps (under its stream's lock), a matcher
+    of another grammar: the replica's state diverges from the mask the engine last sampled under, which no
+    correct replica does, and the engine's handling of it is what is tested. Returns how many it switched."""
     import xgrammar as xgr
 
     switched = 0
     for stream in grammar_server.server.limiter.streams:
         with stream.lock:
-            for session in list(stream._sessions.values()):
-                if session.num_accepted:
-                    other = xgr.GrammarCompiler(session.entry.tokenizer.info).compile_regex(regex)
-                    session.matcher = xgr.GrammarMatcher(other)
-                    switched += 1
+            session = stream._sessions.get(session_id)
+            if session is not None and session.entry.grammar_id == grammar_id:
+                other = xgr.GrammarCompiler(session.entry.tokenizer.info).compile_regex(regex)
+                session.matcher = xgr.GrammarMatcher(other)
+                switched += 1
     return switched
 
 
@@ -94,7 +94,9 @@ def test_a_token_the_grammar_rejects_fails_the_request_as_aborted(inference_serv
         stream = client.generate("digits:", regex=DESYNC_REGEX, max_tokens=300, temperature=1.0, seed=7)
         first = next(stream)
         assert first.token_ids, "generating under the grammar"
-        assert _switch_grammar_of_live_sessions(grammar_server, OTHER_GRAMMAR) == 1
+        engine = inference_server.server.engine
+        (link,) = inference_server.run_sync(lambda: [r.grammar for r in engine.scheduler.running if r.constrained])
+        assert _switch_grammar(grammar_server, link.grammar_id, link.session_id, OTHER_GRAMMAR) == 1
         with pytest.raises(InferenceError) as err:
             for _ in stream:
                 pass
