@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from grammar_svc.schema.schema_warnings import IGNORED_KEYWORDS
+from grammar_svc.types import Kind
 from shared.metrics import BatchHistogram
 
 # Mask fills: a few microseconds typical, tens of milliseconds worst case.
@@ -21,6 +23,12 @@ COMPILE_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 MASK_BYTES_BUCKETS = (4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 # Label values of grammar_svc_limit_rejections_total.
 LIMITS = ("sessions", "sessions_per_stream", "tokenizers", "compiles_per_caller", "compile_timeout_cap")
+# Label values of grammar_svc_compile_failures_total's reason.
+COMPILE_FAILURE_REASONS = ("invalid", "timeout", "busy", "too_large", "crash", "error")
+# Label values of grammar_svc_session_events_total.
+SESSION_EVENTS = ("opened", "closed", "expired", "stream_ended", "rejected", "error", "fill_timeout")
+# Violation keywords known in advance: "json" (not one JSON document) and the keywords the grammar does not enforce.
+VIOLATION_KEYWORDS = ("json", *IGNORED_KEYWORDS)
 
 
 class GrammarMetrics:
@@ -40,6 +48,9 @@ class GrammarMetrics:
             "grammar_svc_compile_failures_total",
             "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",
             ["kind", "reason"], registry=r)
+        for kind in Kind:
+            for reason in COMPILE_FAILURE_REASONS:
+                self.compile_failures.labels(kind.value, reason)  # exported from the start, at 0
         self.compile_worker_restarts = Counter(
             "grammar_svc_compile_worker_restarts_total",
             "Compile workers replaced, by reason: deadline (killed past its compile deadline), abandoned "
@@ -62,6 +73,11 @@ class GrammarMetrics:
             ["kind"], registry=r)
         self.cache_misses = Counter(
             "grammar_svc_cache_misses_total", "Compile requests that were not in the cache.", ["kind"], registry=r)
+        # Every kind exported from the start: the hit ratio panel reads 0, not "No data", while the inference
+        # leaders' own memo of compiled grammars answers every repeat and no hit reaches this cache.
+        for kind in Kind:
+            self.cache_hits.labels(kind.value)
+            self.cache_misses.labels(kind.value)
         self.cache_bytes = Gauge(
             "grammar_svc_cache_bytes", "Bytes held by the compiled-grammar cache.", registry=r)
         self.active_sessions = Gauge(
@@ -94,6 +110,8 @@ class GrammarMetrics:
             "grammar_svc_output_violations_total",
             "Schema violations found in finished outputs, by JSON Schema keyword (\"json\": not one JSON "
             "document); at most 16 counted per output.", ["keyword"], registry=r)
+        for keyword in VIOLATION_KEYWORDS:
+            self.output_violations.labels(keyword)  # the keywords known in advance exported from the start, at 0
         self.limit_rejections = Counter(
             "grammar_svc_limit_rejections_total",
             "Requests refused with RESOURCE_EXHAUSTED by a per-caller or replica limit, by limit: sessions "
@@ -109,6 +127,7 @@ class GrammarMetrics:
             "Unused tokenizers evicted (least recently used first) to register another.", registry=r)
         self.session_events = Counter(
             "grammar_svc_session_events_total",
-            "Session lifecycle events (opened, closed, expired, stream_ended, rejected, terminated, error, "
-            "fill_timeout).",
+            "Session lifecycle events (opened, closed, expired, stream_ended, rejected, error, fill_timeout).",
             ["event"], registry=r)
+        for event in SESSION_EVENTS:
+            self.session_events.labels(event)  # every event exported from the start, at 0

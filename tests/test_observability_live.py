@@ -13,7 +13,9 @@ as two installs in two namespaces (as prometheus-operator labels them): the
 panels, asked for one namespace, must count each service once.
 
 LIVE lists what is scraped: the job, the dashboard it must fill, and the
-fixture that starts the service and sends its traffic.
+fixture that starts the service and sends its traffic. Each service's
+/metrics is also read once right after it starts, before any traffic: every
+counter a panel reads is there already, at 0, for its known label values.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import yaml
 from structd.bench.harness import free_port
 from tests.conftest import require_tool, run, start_grammar_server
 from tests.deploy_assets import REPO, RULES_FILE, Query, alert_rules, dashboards, grafana_to_promql, panel_queries, \
-    rule_queries
+    promql_names, rule_queries
 
 SCRAPE_SECONDS = 1
 # Wide enough to hold every sample of this module's short-lived TSDB: Grafana's
@@ -91,6 +93,7 @@ class GrammarLive:
     def __init__(self, tokenizer_desc, hf_tokenizer):
         self.server = start_grammar_server(metrics_port=free_port())
         self.metrics_address = f"127.0.0.1:{self.server.server.metrics_port}"
+        self.fresh_exposition = _get(f"http://{self.metrics_address}/metrics").decode()
         self.desc = tokenizer_desc
         self.hf = hf_tokenizer
 
@@ -169,6 +172,7 @@ class InferenceLive:
         except TimeoutError:
             self.stop()
             raise AssertionError("inference service did not become SERVING:\n" + self.log.read_text()[-4000:])
+        self.fresh_exposition = _get(f"http://{self.metrics_address}/metrics").decode()
 
     def send_traffic(self, round_no: int) -> None:
         requests = [
@@ -217,6 +221,7 @@ class GatewayLive:
                 self.stop()
                 raise AssertionError("gateway did not become ready:\n" + self.log.read_text()[-4000:])
             time.sleep(0.2)
+        self.fresh_exposition = _get(f"http://{self.metrics_address}/metrics").decode()
 
     def _post(self, path: str, body: dict) -> tuple[int, bytes]:
         req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
@@ -245,6 +250,52 @@ def live_gateway(live_inference, tmp_path_factory):
     svc = GatewayLive(live_inference, tmp_path_factory.mktemp("gateway"))
     yield svc
     svc.stop()
+
+
+# --- before any traffic -------------------------------------------------------------------------
+
+
+def _samples(exposition: str) -> dict[str, list[dict[str, str]]]:
+    """{sample name: [labels of each sample]} of a /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(dict(sample.labels))
+    return out
+
+
+@pytest.mark.parametrize("service", LIVE, ids=lambda s: s.job)
+def test_every_counter_a_panel_reads_is_exported_before_any_traffic(request, service):
+    """A counter series appears with its first increment unless the service creates it at start: a panel over
+    one that never counted shows "No data" instead of 0 (grammar_svc_cache_hits_total, say, while the
+    inference leaders' memo answers every repeat)."""
+    svc = request.getfixturevalue(service.fixture)
+    samples = _samples(svc.fresh_exposition)
+    read = {m for q in panel_queries(service.dashboard, dashboards()[service.dashboard])
+            for m in promql_names(q.expr).metrics if m.endswith("_total")}
+    assert read, service.dashboard
+    missing = sorted(m for m in read if not samples.get(m))
+    assert not missing, f"{service.job} exports no series of {missing} until they first count"
+
+
+def _values(samples, series: str, label: str) -> set[str]:
+    return {labels[label] for labels in samples.get(series, [])}
+
+
+def test_grammar_counters_start_at_zero_for_every_known_label_value(live_grammar):
+    from grammar_svc.metrics import COMPILE_FAILURE_REASONS, SESSION_EVENTS, VIOLATION_KEYWORDS
+    from grammar_svc.types import Kind
+
+    samples = _samples(live_grammar.fresh_exposition)
+    kinds = {k.value for k in Kind}
+    for series in ("grammar_svc_cache_hits_total", "grammar_svc_cache_misses_total"):
+        assert _values(samples, series, "kind") == kinds, series
+    failures = {(s["kind"], s["reason"]) for s in samples["grammar_svc_compile_failures_total"]}
+    assert failures == {(k, r) for k in kinds for r in COMPILE_FAILURE_REASONS}
+    assert _values(samples, "grammar_svc_session_events_total", "event") == set(SESSION_EVENTS)
+    assert _values(samples, "grammar_svc_output_violations_total", "keyword") == set(VIOLATION_KEYWORDS)
 
 
 # --- Prometheus --------------------------------------------------------------------------------
