@@ -123,9 +123,11 @@ BENCHMARKS = [
      "call in one process: medians in microseconds and new/old ratios."),
     ("sampler", "structd.bench.sampler",
      "sampler: host time of one step's sampling on the CPU, old sampler vs current",
-     "The sampler of --old-rev (loaded from git) and the working tree's on the same greedy steps (unconstrained, "
-     "allowed-id lists, allowed and disallowed lists), alternating call by call in one process: medians in "
-     "milliseconds, new/old ratios, and the same tokens from both."),
+     "The sampler of --old-rev (loaded from git) and the working tree's on the same steps, greedy (unconstrained, "
+     "allowed-id lists, allowed and disallowed lists, string interiors) and sampled with seeded rows "
+     "(temperature, top_k, top_p, min_p, allowed lists, a mix with logprobs), alternating call by call in one "
+     "process: medians in milliseconds, new/old ratios, and the same tokens from both (a few of a sampled kind's "
+     "tokens may differ where float rounding moves a boundary)."),
 ]
 
 
