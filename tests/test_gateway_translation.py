@@ -15,6 +15,7 @@ import pytest
 from gateway.body import Fields, parse_object
 from gateway.errors import InvalidParameterError, ModelNotFoundError, from_exception
 from gateway.translation.request import chat_request, completion_request
+from gateway.translation.response import CompletionReply
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 
 MODEL = "structd-embedded"
@@ -319,3 +320,18 @@ def test_body_must_be_a_json_object(raw, message):
     with pytest.raises(InvalidParameterError, match=message) as e:
         parse_object(raw)
     assert e.value.param is None
+
+
+@pytest.mark.parametrize("stream", [pytest.param(False, id="whole"), pytest.param(True, id="streamed")])
+def test_completion_reasoning_has_chat_names(stream):
+    """A legacy completion that thought gives its thinking under both of chat's names, `reasoning` and
+    `reasoning_content`, whole and streamed."""
+    reply = CompletionReply(completion(), "cmpl-1", 0)
+    thought = pb.GenerateResponse(text="yes", reasoning_text="hmm", token_ids=[1],
+                                  finish_reason=pb.FINISH_REASON_STOP)
+    if stream:
+        [choice] = [c["choices"][0] for c in reply.chunks(thought) if c["choices"][0]["text"]]
+    else:
+        assert reply.add(thought)
+        [choice] = reply.result()["choices"]
+    assert choice["reasoning"] == choice["reasoning_content"] == "hmm" and choice["text"] == "yes"

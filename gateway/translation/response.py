@@ -312,8 +312,8 @@ class CompletionReply(_Reply):
     def _choice(index: int, text: str, logprobs: Any = None, finish: str | None = None,
                 reasoning: str = "") -> dict[str, Any]:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if reasoning:
-            choice["reasoning_content"] = reasoning
+        if reasoning:  # the same two names as a chat message's (vLLM's current one and its older alias)
+            choice["reasoning"] = choice["reasoning_content"] = reasoning
         return choice
 
     def chunks(self, resp: pb.GenerateResponse) -> list[dict[str, Any]]:
