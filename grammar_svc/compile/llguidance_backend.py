@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grammar_svc.types import JsonOptions, Kind, Whitespace
 from shared.errors import InvalidGrammarError
@@ -51,6 +51,9 @@ class LlguidanceGrammar:
     grammar: str  # llguidance's grammar JSON
     tokenizer: object  # llguidance.LLTokenizer
     stop_token_ids: frozenset[int]
+    # A matcher in the start state that sessions copy: a copy costs far less than building the grammar's
+    # matcher again, which a large schema makes expensive.
+    start: object = field(compare=False, repr=False, default=None)
 
     @property
     def memory_size_bytes(self) -> int:
@@ -188,7 +191,7 @@ def compile_llguidance(tok, spec) -> LlguidanceGrammar:
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidGrammarError(f"{spec.kind.value} is refused by llguidance: {matcher.get_error()}")
-    return LlguidanceGrammar(grammar, tokenizer, frozenset(int(t) for t in tok.info.stop_token_ids))
+    return LlguidanceGrammar(grammar, tokenizer, frozenset(int(t) for t in tok.info.stop_token_ids), matcher)
 
 
 class LlguidanceMatcher:
@@ -197,9 +200,7 @@ class LlguidanceMatcher:
     __slots__ = ("_m", "_stops", "_terminate_without_stop", "_stopped")
 
     def __init__(self, compiled: LlguidanceGrammar, *, terminate_without_stop_token: bool = False):
-        import llguidance
-
-        self._m = llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+        self._m = compiled.start.deep_copy()
         if self._m.is_error():
             raise InvalidGrammarError(f"llguidance matcher failed: {self._m.get_error()}")
         self._stops = compiled.stop_token_ids
