@@ -21,6 +21,11 @@ STEP_BUCKETS = (2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e
 COMPILE_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Bytes per mask on the wire: a same-as reference (4) up to dense (16 KB for 129k tokens).
 MASK_BYTES_BUCKETS = (4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+# Label values of grammar_svc_backend_choices_total: each backend and the reasons it can be chosen for.
+BACKEND_CHOICES = {
+    "xgrammar": ("requested", "configured", "default"),
+    "llguidance": ("requested", "configured", "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed"),
+}
 # Label values of grammar_svc_limit_rejections_total.
 LIMITS = ("sessions", "sessions_per_stream", "tokenizers", "compiles_per_caller", "compile_timeout_cap")
 # Label values of grammar_svc_compile_failures_total's reason.
@@ -44,6 +49,9 @@ class GrammarMetrics:
             "requested (CompileRequest.backend), configured (--grammar-backend), default (auto: xgrammar in "
             "time), xgrammar_refused, xgrammar_slow (past --fallback-after-seconds), xgrammar_crashed (auto's "
             "fallbacks to llguidance).", ["backend", "reason"], registry=r)
+        for backend, reasons in BACKEND_CHOICES.items():
+            for reason in reasons:
+                self.backend_choices.labels(backend, reason)  # every possible choice exported from the start, at 0
         self.compile_failures = Counter(
             "grammar_svc_compile_failures_total",
             "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",
