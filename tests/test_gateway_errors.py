@@ -146,15 +146,14 @@ def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event(gram
     from tests.conftest import InferenceServerThread, wait_until
 
     cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,),
-                                 simulate_step_ms=5.0, grace_seconds=1.0,
+                                 simulate_step_ms=5.0, grace_seconds=1.0, served_model_name="dying-engine",
                                  engine=EngineConfig(max_num_seqs=4, default_max_tokens=32))
     inference = InferenceServerThread(cfg, engine_process="on", start_timeout=180.0)
     gateway = None
     try:
         gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference.target)),
                                 "gateway", start_timeout=60.0)
-        body = {"model": "any", "prompt": "Go on:", "stream": True, "max_tokens": 5000, "ignore_eos": True}
-        body["model"] = httpx2.get(f"http://{gateway.target}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": "dying-engine", "prompt": "Go on:", "stream": True, "max_tokens": 5000, "ignore_eos": True}
         with httpx2.stream("POST", f"http://{gateway.target}/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200, r.read()
             lines = r.iter_lines()

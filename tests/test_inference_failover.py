@@ -90,12 +90,12 @@ def chat_replicas():
 @pytest.fixture(scope="module")
 def chat_server(chat_replicas):
     """The simulated runner on the embedded model's tokenizer and chat template (its thinking and tool-call
-    format), steps slow enough to lose a replica mid-answer."""
+    format), steps slow enough that a replica's stop lands mid-answer (about a hundred steps are left)."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
     from inference_svc.model.embedded_model import ensure_embedded_model
 
     cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0, model=str(ensure_embedded_model()),
-                                 grammar_targets=tuple(s.target for s in chat_replicas), simulate_step_ms=10.0,
+                                 grammar_targets=tuple(s.target for s in chat_replicas), simulate_step_ms=20.0,
                                  engine=EngineConfig(max_num_seqs=8, default_max_tokens=200))
     srv = InferenceServerThread(cfg)
     yield srv
