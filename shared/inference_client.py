@@ -220,6 +220,8 @@ class RequestOptions(TypedDict, total=False):
     tool_choice: str | None
     reasoning: bool | None
     max_thinking_tokens: int
+    chat_template_kwargs: Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
     request_id: str
     strict_schema: bool
     n: int
@@ -263,6 +265,8 @@ def build_request(prompt: Prompt, *,
                   tool_choice: str | None = None,
                   reasoning: bool | None = None,
                   max_thinking_tokens: int = 0,
+                  chat_template_kwargs: Mapping[str, Any] | None = None,
+                  parallel_tool_calls: bool | None = None,
                   request_id: str = "",
                   strict_schema: bool = False,
                   n: int = 1) -> pb.GenerateRequest:
@@ -286,6 +290,9 @@ def build_request(prompt: Prompt, *,
     {"name", "description", "parameters"} dicts (or OpenAI's {"type":
     "function", "function": {...}}); tool_choice "auto", "required", "none"
     or a tool's name. reasoning None leaves thinking to the chat template.
+    chat_template_kwargs (messages prompts only): extra chat template variables,
+    vLLM's; a name the template uses itself is refused by the server.
+    parallel_tool_calls False: one tool call at most (None: any number).
     strict_schema (json_schema only): refuse a schema with keywords the grammar
     does not enforce (INVALID_ARGUMENT naming each) instead of generating.
     n: completions of the prompt (0 = 1; the server refuses more than its
@@ -345,6 +352,10 @@ def build_request(prompt: Prompt, *,
     if reasoning is not None:
         request.reasoning = reasoning
     request.max_thinking_tokens = max_thinking_tokens
+    if chat_template_kwargs:
+        request.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     return request
 
 

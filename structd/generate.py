@@ -20,6 +20,10 @@ failed or generation ended early (finish_reason error/cancelled), 2 bad
 arguments or an unreadable file, 3 the output finished but breaks its schema,
 130 Ctrl-C.
 
+--chat sends PROMPT as one user message through the model's chat template
+(--chat-template-kwargs JSON: the template's extra variables) instead of as
+raw text.
+
 --tls-ca-file (and --tls-cert-file / --tls-key-file for a server that
 requires client certificates) dial over TLS; each also comes from the
 environment as STRUCTD_GENERATE_TLS_CA_FILE and so on.
@@ -39,8 +43,8 @@ from typing import Any, Callable
 
 from shared.flags import FlagSet
 from shared.grpc_options import MAX_RETRIES
-from shared.inference_client import (Completion, InferenceClient, InferenceError, SchemaViolation, SchemaWarning,
-                                     TokenLogprob)
+from shared.inference_client import (Completion, InferenceClient, InferenceError, Prompt, SchemaViolation,
+                                     SchemaWarning, TokenLogprob)
 from shared.tls import add_client_flags, client_tls_from_args
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -81,6 +85,16 @@ _INT32_MAX = 2**31 - 1
 _UINT64_MAX = 2**64 - 1
 # The server's bound on alternatives per token (inference_svc.engine.sampling.MAX_TOP_LOGPROBS).
 _MAX_TOP_LOGPROBS = 20
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object ({\"name\": value, ...})")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = None) -> None:
@@ -134,6 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
                         help="with --json-schema: refuse a schema with keywords the grammar does not enforce")
     parser.add_argument("--no-jump-forward", dest="disable_jump_forward", action="store_true",
                         help="sample every token, even where the grammar allows only one")
+    parser.add_argument("--chat", action="store_true",
+                        help="send PROMPT as one user message, rendered by the model's chat template (default: "
+                             "the raw prompt text)")
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help="with --chat: extra chat template variables, a JSON object (vLLM's "
+                             "chat_template_kwargs, e.g. '{\"enable_thinking\": false}')")
     parser.add_argument("--json", dest="json_output", action="store_true",
                         help="print one JSON line {text, finish_reason, usage} at the end instead of streaming")
     # For tests and scripts that must not wait forever; not part of the documented interface.
@@ -182,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     if args.strict_schema and args.json_schema is None:
         print("error: --strict-schema needs --json-schema", file=sys.stderr)
         return 2
+    if args.chat_template_kwargs is not None and not args.chat:
+        print("error: --chat-template-kwargs needs --chat (a raw prompt has no chat template)", file=sys.stderr)
+        return 2
+    prompt: Prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     tls = client_tls_from_args(args, "--tls")
     if tls is not None and (problems := tls.problems()):
         print(f"error: {'; '.join(problems)}", file=sys.stderr)
@@ -196,17 +220,17 @@ def run(args: argparse.Namespace) -> int:
         logit_bias=dict(args.logit_bias or ()), min_p=args.min_p, stop_token_ids=args.stop_token_ids or (),
         include_stop_str_in_output=args.include_stop_str_in_output,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, strict_schema=args.strict_schema,
-        n=args.n,
+        n=args.n, chat_template_kwargs=args.chat_template_kwargs,
     )
     try:
         with InferenceClient(args.target, tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,
                              tls_key_file=args.tls_key_file, retries=args.retries) as client:
             if args.n > 1:
-                finish_reason, check = _print_all(client, args.prompt, options, args.json_output)
+                finish_reason, check = _print_all(client, prompt, options, args.json_output)
             elif args.json_output:
-                finish_reason, check = _print_json(client, args.prompt, options)
+                finish_reason, check = _print_json(client, prompt, options)
             else:
-                finish_reason, check = _stream(client, args.prompt, options)
+                finish_reason, check = _stream(client, prompt, options)
     except InferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -224,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_SCHEMA_VIOLATED if check == "invalid" else 0
 
 
-def _stream(client: InferenceClient, prompt: str, options: dict[str, Any]) -> tuple[str | None, str | None]:
+def _stream(client: InferenceClient, prompt: Prompt, options: dict[str, Any]) -> tuple[str | None, str | None]:
     """Streams the text; returns (finish_reason, schema_check)."""
     finish_reason = check = None
     logprobs: list[TokenLogprob] = []
@@ -271,7 +295,7 @@ def _print_check(check: str | None, violations: list[SchemaViolation], detail: s
         print(f"{label}schema check {check}: {detail}", file=sys.stderr)
 
 
-def _print_all(client: InferenceClient, prompt: str, options: dict[str, Any],
+def _print_all(client: InferenceClient, prompt: Prompt, options: dict[str, Any],
                json_output: bool) -> tuple[str | None, str | None]:
     """Prints the n completions in index order; returns the worst (finish_reason, schema_check): a failed
     finish before any other, then an invalid output."""
@@ -326,7 +350,7 @@ def _json_line(completion: Completion, logprobs: bool) -> dict[str, Any]:
     return line
 
 
-def _print_json(client: InferenceClient, prompt: str, options: dict[str, Any]) -> tuple[str, str | None]:
+def _print_json(client: InferenceClient, prompt: Prompt, options: dict[str, Any]) -> tuple[str, str | None]:
     completion = client.complete(prompt, **options)
     print(json.dumps(_json_line(completion, options["logprobs"])), flush=True)
     return completion.finish_reason, completion.schema_check

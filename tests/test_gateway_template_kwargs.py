@@ -10,12 +10,15 @@ apply_chat_template's parameters) is refused with a 400 naming it.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx2
 import openai
 import pytest
 
 from structd.bench.harness import ServiceThread
-from tests.conftest import InferenceServerThread
+from tests.conftest import REPO, InferenceServerThread
 
 TEMPLATE = ("{% if secret != 'open' %}{{ raise_exception('secret is ' ~ secret) }}{% endif %}"
             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -26,9 +29,7 @@ ASK = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def gateway_target(grammar_server, tmp_path_factory):
-    from gateway.config import GatewayConfig
-    from gateway.server import GatewayServer
+def inference_target(grammar_server, tmp_path_factory):
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
     template = tmp_path_factory.mktemp("template") / "kwargs.jinja"
@@ -36,11 +37,19 @@ def gateway_target(grammar_server, tmp_path_factory):
     inference = InferenceServerThread(InferenceServiceConfig(
         host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,), simulate_step_ms=1.0,
         chat_template=template, engine=EngineConfig(max_num_seqs=4, default_max_tokens=4)))
-    gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference.target)),
+    yield inference.target
+    inference.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_target(inference_target):
+    from gateway.config import GatewayConfig
+    from gateway.server import GatewayServer
+
+    gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=inference_target)),
                             "gateway", start_timeout=60.0)
     yield gateway.target
     gateway.stop()
-    inference.stop()
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +111,19 @@ def test_assistant_thinking_reaches_the_template_under_either_name(client):
         *ASK, {"role": "assistant", "content": "Hi", **fields}, {"role": "user", "content": "And?"}]).usage.prompt_tokens
         for fields in ({}, {"reasoning": "a long chain of thought"}, {"reasoning_content": "a long chain of thought"})]
     assert counts[0] < counts[1] == counts[2]
+
+
+@pytest.mark.parametrize("flags, status, said", [
+    pytest.param(["--chat", "--chat-template-kwargs", '{"secret": "open"}'], 0, "", id="read-by-the-template"),
+    pytest.param(["--chat", "--chat-template-kwargs", '{"secret": "shut"}'], 1, "secret is shut",
+                 id="the-template-refuses"),
+    pytest.param(["--chat-template-kwargs", '{"secret": "open"}'], 2, "needs --chat", id="raw-prompt"),
+    pytest.param(["--chat", "--chat-template-kwargs", '["secret"]'], 2, "JSON object", id="not-an-object"),
+])
+def test_structd_generate_passes_them(inference_target, flags, status, said):
+    """`structd generate --chat --chat-template-kwargs JSON`: the same variables, over the Python client."""
+    out = subprocess.run([sys.executable, "-m", "structd", "generate", "--target", inference_target, "--max-tokens",
+                          "2", "--timeout-seconds", "60", "--json", *flags, "Hello"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == status, out.stderr
+    assert said in out.stderr
