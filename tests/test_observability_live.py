@@ -285,7 +285,7 @@ def _values(samples, series: str, label: str) -> set[str]:
 
 
 def test_grammar_counters_start_at_zero_for_every_known_label_value(live_grammar):
-    from grammar_svc.metrics import COMPILE_FAILURE_REASONS, SESSION_EVENTS, VIOLATION_KEYWORDS
+    from grammar_svc.metrics import BACKEND_CHOICES, COMPILE_FAILURE_REASONS, SESSION_EVENTS, VIOLATION_KEYWORDS
     from grammar_svc.types import Kind
 
     samples = _samples(live_grammar.fresh_exposition)
@@ -296,6 +296,8 @@ def test_grammar_counters_start_at_zero_for_every_known_label_value(live_grammar
     assert failures == {(k, r) for k in kinds for r in COMPILE_FAILURE_REASONS}
     assert _values(samples, "grammar_svc_session_events_total", "event") == set(SESSION_EVENTS)
     assert _values(samples, "grammar_svc_output_violations_total", "keyword") == set(VIOLATION_KEYWORDS)
+    choices = {(s["backend"], s["reason"]) for s in samples["grammar_svc_backend_choices_total"]}
+    assert choices == {(backend, reason) for backend, reasons in BACKEND_CHOICES.items() for reason in reasons}
 
 
 # --- Prometheus --------------------------------------------------------------------------------
