@@ -79,7 +79,10 @@ class InferenceServiceConfig:
     dtype: str = "auto"
     # torch intra-op threads on CPU (0: half the cores, leaving the rest to co-located grammar replicas).
     num_threads: int = 0
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    # The KV cache's bytes (per rank); 0: on CUDA sized from the device's memory (--gpu-memory-utilization,
+    # inference_svc/model/kv_budget.py), elsewhere DEFAULT_KV_CACHE_BYTES.
+    kv_cache_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
     block_size: int = DEFAULT_BLOCK_SIZE
     # torch.compile of the model body: auto (default on CUDA, off on CPU, where it gains too little to pay
     # its compile: docs/benchmarks.md, "Compiled body"), off, default or max-autotune.
@@ -146,8 +149,10 @@ class InferenceServiceConfig:
             problems.append("--compile-buckets must be positive token counts")
         if self.num_threads < 0:
             problems.append("--num-threads must be >= 0")
-        if self.block_size < 1 or self.kv_cache_bytes < 1:
-            problems.append("--block-size and --kv-cache-bytes must be positive")
+        if self.block_size < 1 or self.kv_cache_bytes < 0:
+            problems.append("--block-size must be positive and --kv-cache-bytes at least 0 (0: sized by device)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: use a fraction in (0, 1]")
         if self.simulate_step_ms < 0:
             problems.append("--simulate-step-ms must be >= 0")
         if e.max_num_seqs < 1 or e.max_num_batched_tokens < 1:
@@ -240,7 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                                    "next one (default: powers of two up to --max-num-batched-tokens)")
     f.add("--compile-cache-dir", None, "inductor's on-disk cache of compiled kernels, reused across restarts "
                                        "(default ~/.cache/structd/inductor)", kind=Path)
-    f.add("--kv-cache-bytes", d.kv_cache_bytes)
+    f.add("--kv-cache-bytes", d.kv_cache_bytes, "the KV cache's bytes per rank; 0: on CUDA what "
+                                                 "--gpu-memory-utilization leaves after the model and the largest "
+                                                 f"step's activations, on CPU {DEFAULT_KV_CACHE_BYTES // 2**20} MiB")
+    f.add("--gpu-memory-utilization", d.gpu_memory_utilization,
+          "with --kv-cache-bytes 0 on CUDA: the fraction of the device's memory this service may use in all")
     f.add("--block-size", d.block_size)
     f.add("--max-num-seqs", e.max_num_seqs)
     f.add("--max-num-batched-tokens", e.max_num_batched_tokens)
@@ -325,6 +334,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         dtype=args.dtype,
         num_threads=args.num_threads,
         kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         compile=args.compile,
         compile_buckets=parse_buckets(args.compile_buckets),

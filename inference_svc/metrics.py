@@ -66,6 +66,10 @@ class InferenceMetrics:
             "inference_svc_kv_cache_usage_ratio",
             "Fraction of KV cache blocks mapped by requests (free blocks that still hold a cached prefix are "
             "not in use: inference_svc_kv_cache_cached_free_ratio).", registry=r)
+        self.kv_cache_bytes = Gauge(
+            "inference_svc_kv_cache_bytes",
+            "Bytes of the KV cache (per tensor-parallel rank): --kv-cache-bytes, or on CUDA what "
+            "--gpu-memory-utilization left; 0 for the simulated runner.", registry=r)
         self.kv_cached_free = Gauge(
             "inference_svc_kv_cache_cached_free_ratio",
             "Fraction of KV cache blocks no request maps that still hold a cached prefix (reclaimed when needed).",

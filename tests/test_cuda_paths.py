@@ -123,6 +123,22 @@ def test_cuda_runner_equals_the_cpu_reference_over_mixed_steps():
     assert rows > 300 and clear[0] > 0.95 * rows
 
 
+def test_kv_cache_is_sized_from_what_the_device_has_left():
+    """--kv-cache-bytes 0 on CUDA: a profiling forward measures the largest step, and the cache gets what
+    --gpu-memory-utilization leaves; allocating it then fits."""
+    from inference_svc.model.kv_budget import cuda_kv_cache_bytes
+    from inference_svc.model.model_loading import load_model
+    from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
+
+    model, _ = load_model(ensure_embedded_model(progress=None), DEVICE)
+    free, total = torch.cuda.mem_get_info()
+    budget = cuda_kv_cache_bytes(model, 0.5, 512, 16, model.get_output_embeddings().weight.shape[0], graphs=True)
+    assert 0 < budget < 0.5 * total - (total - free)
+    spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype, 16)
+    cache = PagedKVCache(spec, spec.blocks_for_bytes(budget), DEVICE)
+    assert cache.blocks.num_blocks * spec.bytes_per_block <= budget
+
+
 def test_compiled_body_with_cuda_graphs_equals_eager(tmp_path):
     from inference_svc.model.compiled_forward import CompiledBody, CompileSettings
 

@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from inference_svc.config import InferenceServiceConfig
+from inference_svc.config import DEFAULT_KV_CACHE_BYTES, InferenceServiceConfig
 from inference_svc.engine.engine import Engine, TokenizerView
 from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelSource, resolve_model
-from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, init_group
+from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, agree_on_least, init_group
 
 if TYPE_CHECKING:
     from inference_svc.api.model_family import ModelFamily
@@ -107,7 +107,8 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
                                  block_size=config.block_size, prefix_caching=config.engine.prefix_caching)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
-    runner = PagedModelRunner.create(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
+    runner = PagedModelRunner.create(model, block_size=config.block_size,
+                                     kv_cache_bytes=kv_cache_bytes(config, model, rank),
                                      tp_size=config.tp, packed_head=config.lm_head_kernel == "auto",
                                      greedy_screen=config.engine.greedy_head and config.engine.sparse_head,
                                      prefix_caching=config.engine.prefix_caching)
@@ -122,6 +123,21 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     return runner, tok, eos_ids, model.config.max_position_embeddings, info(str(model.dtype).removeprefix("torch."))
+
+
+def kv_cache_bytes(config: InferenceServiceConfig, model, rank: RankInfo | None) -> int:
+    """--kv-cache-bytes, or with 0 what the device leaves (CUDA; every rank of a group agrees on the least)."""
+    if config.kv_cache_bytes:
+        return config.kv_cache_bytes
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return DEFAULT_KV_CACHE_BYTES
+    from inference_svc.model.kv_budget import cuda_kv_cache_bytes
+
+    budget = cuda_kv_cache_bytes(model, config.gpu_memory_utilization, config.engine.max_num_batched_tokens,
+                                 config.engine.max_num_seqs, model.get_output_embeddings().weight.shape[0],
+                                 graphs=config.compile_mode("cuda") != "off")
+    return agree_on_least(budget, device) if rank is not None else budget
 
 
 def load_tokenizer(config: InferenceServiceConfig, source: ModelSource):
@@ -213,6 +229,7 @@ class EngineAssembly:
             device_thread.shutdown(wait=False)
             raise
         self.runner = runner
+        self.metrics.kv_cache_bytes.set(runner.kv_cache_bytes)
         log.info("model %s ready in %.1f s (served as %s; vocab %d; %s)", info.source.model_id, info.load_seconds,
                  info.served_name, runner.vocab_size,
                  "simulated" if c.simulate_step_ms else f"{info.dtype} on {info.device}")

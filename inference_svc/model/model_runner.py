@@ -72,6 +72,10 @@ class ModelRunner(Protocol):
         """Ids the model can take as input (its input embedding's rows)."""
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache's keys and values take on the device (0 where none are stored)."""
+
+    @property
     def device(self) -> torch.device: ...
 
     @property
@@ -163,6 +167,10 @@ class PagedModelRunner:
     def embedding_rows(self) -> int:
         """Ids the input embedding has a row for: a prompt id at or past it is out of range on the device."""
         return self._embedding_rows
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.blocks.num_blocks * self.kv_cache.spec.bytes_per_block
 
     @property
     def device(self) -> torch.device:

@@ -61,6 +61,10 @@ class SimulatedRunner:
         return self._vocab_size
 
     @property
+    def kv_cache_bytes(self) -> int:
+        return 0  # block accounting only: no keys or values are stored
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 

@@ -106,6 +106,16 @@ def init_group(info: RankInfo, device_type: str) -> None:
     log.info("tensor-parallel rank %d of %d joined", info.rank, info.world_size)
 
 
+def agree_on_least(value: int, device: torch.device) -> int:
+    """The least of every rank's value (each rank must call it): sizes the ranks must share, like the KV
+    cache's blocks, which rank 0's block tables address on every rank."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 class TensorParallelRunner:
     """Rank 0's runner: broadcasts each step, then runs its own shard of the forward."""
 
@@ -120,6 +130,10 @@ class TensorParallelRunner:
     @property
     def embedding_rows(self) -> int:
         return self.runner.embedding_rows
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.runner.kv_cache_bytes
 
     @property
     def device(self) -> torch.device:
