@@ -66,3 +66,17 @@ def test_every_alert_links_its_runbook_section():
 def test_the_runbook_has_no_section_for_an_alert_that_does_not_exist():
     sections = set(re.findall(r"^### (Structd\w+)$", RUNBOOK.read_text(), re.M))
     assert sections == {r["alert"] for r in alert_rules()}
+
+
+_AGGREGATION = re.compile(r"\b(sum|count|avg|min|max|group|stddev|stdvar|topk|bottomk|quantile)\s*(by|without)?\s*\(")
+
+
+def test_every_aggregation_keeps_the_namespace():
+    """Two installs on one Prometheus alert apart: an aggregation without namespace would sum them, so one
+    install's outage or failure share is hidden by another's replicas or traffic."""
+    for r in alert_rules():
+        expr = r["expr"]
+        for m in _AGGREGATION.finditer(expr):
+            assert m.group(2) == "by", f"{r['alert']}: {m.group(0)!r} must say by (namespace, ...)"
+            labels = {x.strip() for x in expr[m.end():expr.index(")", m.end())].split(",")}
+            assert "namespace" in labels, f"{r['alert']}: {m.group(0)}{sorted(labels)} drops the namespace"
