@@ -3,8 +3,8 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST
 /v1/responses` (OpenAI's Responses API, stateless), `GET
 /v1/models` (and `/v1/models/{id}`), vLLM's `POST /tokenize` and `POST
-/detokenize`, `GET /health` (200 while the inference
-service answers SERVING, else 503) and `GET /metrics` (Prometheus), all on
+/detokenize`, `GET /health` (200 while an inference
+replica answers SERVING, else 503: upstream.py) and `GET /metrics` (Prometheus), all on
 one port as in vLLM. Every failure is answered through errors.py; unknown
 paths and methods too, in the same OpenAI error shape. With --api-key,
 every path but /health and /metrics needs a key (auth.py); with
@@ -193,8 +193,8 @@ class GatewayApp:
     async def health(self, request: Request) -> Response:
         if await self.upstream.ready():
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable", "detail": f"the inference service at {self.upstream.target} "
-                                                                "is not SERVING"}, status_code=503)
+        return JSONResponse({"status": "unavailable", "detail": f"no inference replica at {self.upstream.target} "
+                                                                "is SERVING"}, status_code=503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -7,8 +7,15 @@ round_robin changes nothing). `GetModelInfo`'s answer is cached for
 `--model-info-ttl-seconds`; once it is older, requests go on with it while
 one refresh runs in the background (a replica that does not answer costs
 that refresh its deadline, not every request), and only a gateway that has
-never had an answer waits for one. Readiness is the inference service's own
-gRPC health.
+never had an answer waits for one.
+The channel health-checks every replica (gRPC's client-side health
+checking: each address's grpc.health.v1 Watch): a replica that answers
+NOT_SERVING (draining, its engine dead) leaves round_robin's pick list until
+it serves again, so requests go to the replicas that serve. Readiness
+(/health) is a Health.Check sent over the same channel: it lands on a
+serving replica while there is one, so /health says 200 while any replica
+serves and 503 once none does, rather than alternating with the replica
+round robin picked.
 A call a replica refuses with UNAVAILABLE before it answered anything (it
 is draining, or it cannot be reached) is tried again, `--retries` times, by
 gRPC's retry policy: round_robin sends the next attempt to the next replica.
@@ -55,7 +62,8 @@ class Upstream:
         self.target = target
         self.tls = tls
         self._options = CHANNEL_OPTIONS + (
-            ("grpc.service_config", service_config(SERVICE_NAME, retries=retries, round_robin=True)),)
+            ("grpc.service_config", service_config(SERVICE_NAME, retries=retries, round_robin=True,
+                                                   health_check=True)),)
         if retry_buffer_bytes:
             self._options += (("grpc.per_rpc_retry_buffer_size", retry_buffer_bytes),)
         self._tls_files = CertificateFiles(tls) if tls is not None else None
@@ -116,7 +124,8 @@ class Upstream:
             log.warning("model info refresh failed (serving the cached info): %s", task.exception())
 
     async def ready(self) -> bool:
-        """The inference service answers SERVING (it is connected, loaded and not draining)."""
+        """A replica answers SERVING (connected, loaded, not draining): the channel's health checking sends the
+        probe to a replica that serves while one does."""
         try:
             resp = await self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
                                             timeout=PROBE_TIMEOUT_SECONDS)

@@ -33,7 +33,7 @@ RETRY_INITIAL_BACKOFF_SECONDS = 0.05
 RETRY_MAX_BACKOFF_SECONDS = 1.0
 
 
-def service_config(service: str, *, retries: int = 0, round_robin: bool = False) -> str:
+def service_config(service: str, *, retries: int = 0, round_robin: bool = False, health_check: bool = False) -> str:
     """A channel's service config (the `grpc.service_config` option) for calls to `service` ("pkg.Service").
 
     retries > 0: a call answered UNAVAILABLE is tried again, up to `retries` more times, with backoff. gRPC
@@ -42,10 +42,18 @@ def service_config(service: str, *, retries: int = 0, round_robin: bool = False)
     sent again, so no client sees part of an answer twice; a refusal before any response (a draining replica,
     a connection that failed) is what gets retried. round_robin: spread calls over every address the target
     resolves to, so a retry goes to the next replica rather than back to the one that refused.
+    health_check: gRPC's client-side health checking (each address's grpc.health.v1 Watch for `service`): an
+    address that answers NOT_SERVING (a draining replica) leaves the pick list until it serves again, so calls
+    and a readiness probe sent over the channel go only to replicas that serve; with none serving, a call fails
+    UNAVAILABLE at once. Needs round_robin (pick_first does not health-check in grpcio).
     """
     config: dict = {}
     if round_robin:
         config["loadBalancingConfig"] = [{"round_robin": {}}]
+    if health_check:
+        if not round_robin:
+            raise ValueError("health_check needs round_robin")
+        config["healthCheckConfig"] = {"serviceName": service}
     if retries:
         if not 0 < retries <= MAX_RETRIES:
             raise ValueError(f"retries must be 0..{MAX_RETRIES} (gRPC makes at most {MAX_RETRIES + 1} attempts)")
