@@ -60,6 +60,17 @@ def test_every_panel_uses_the_datasource_variable(name):
 
 
 @pytest.mark.parametrize("name", sorted(DASHBOARD_FILES))
+def test_no_query_is_on_two_panels(name):
+    """A query copied into a panel it does not belong to (a panel's worth once rode along under the schema
+    checks) shows up as the same expression twice."""
+    seen = {}
+    for p in panels(dashboards()[name]):
+        for t in p["targets"]:
+            assert t["expr"] not in seen, f"{name}: {p['title']!r} repeats a query of {seen[t['expr']]!r}"
+            seen[t["expr"]] = p["title"]
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARD_FILES))
 def test_panels_have_unique_ids_and_do_not_overlap(name):
     d = dashboards()[name]
     ids = [p["id"] for p in d["panels"]]
