@@ -24,6 +24,7 @@ from inference_svc.engine.sampling import RowSampler, SamplingOptions, sample, s
 
 NEG_INF = float("-inf")
 REAL_VOCAB = 129_280
+VOCAB = 32_000  # Llama 2's: wide enough for every path (blockwise top-k, cuts past 512 candidates), cheaper
 
 
 def options(**overrides) -> SamplingOptions:
@@ -60,6 +61,7 @@ SPECS = [
     pytest.param(dict(temperature=0.9, top_k=40, top_p=0.8), id="top-k-top-p"),
     pytest.param(dict(temperature=1.0, top_p=0.95, min_p=0.02), id="top-p-min-p"),
     pytest.param(dict(temperature=1.0, top_k=2000, min_p=0.1), id="wide-top-k-min-p"),
+    pytest.param(dict(temperature=3.0, min_p=0.001), id="min-p-keeping-most"),  # past the candidates
 ]
 
 
@@ -71,10 +73,10 @@ def test_batch_draws_the_row_paths_tokens_and_logprobs(spec, candidates, monkeyp
     candidates most nuclei reach past them (those rows take the row path, or draw among the candidates when
     their cut stays inside: both must agree with the row path)."""
     monkeypatch.setattr(sampling, "_NUCLEUS_CANDIDATES", candidates)
-    batch = [RowSampler(options(seed=s, top_logprobs=5, **spec)) for s in range(12)]
-    rows = [RowSampler(options(seed=s, top_logprobs=5, **spec)) for s in range(12)]
-    for step in range(6):
-        x = model_like(12, REAL_VOCAB, seed=step)
+    batch = [RowSampler(options(seed=s, top_logprobs=5, **spec)) for s in range(8)]
+    rows = [RowSampler(options(seed=s, top_logprobs=5, **spec)) for s in range(8)]
+    for step in range(4):
+        x = model_like(8, VOCAB, seed=step)
         x[:, ::7] = NEG_INF
         tokens, logprobs = sample_with_logprobs(x, batch)
         want = row_path(x, rows)
@@ -200,8 +202,8 @@ def test_a_seeded_row_does_not_depend_on_its_neighbours(spec):
         tokens = []
         for step in range(8):
             samplers = others[:position] + [target] + others[position:]
-            x = model_like(len(samplers), REAL_VOCAB, seed=1000 + step * 7 + len(companions))
-            x[position] = model_like(1, REAL_VOCAB, seed=step)[0]
+            x = model_like(len(samplers), VOCAB, seed=1000 + step * 7 + len(companions))
+            x[position] = model_like(1, VOCAB, seed=step)[0]
             tokens.append(sample(x, samplers)[position])
         return tokens
 

@@ -587,7 +587,8 @@ def _draw_blocked(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     inside = probs.gather(1, cols.clamp(max=width - 1))
     inside = torch.where(cols < width, inside, 0.0)
     inner = before + torch.cumsum(inside, 1, dtype=torch.float64)
-    pos = torch.minimum(torch.searchsorted(inner, target, right=True), torch.searchsorted(inner, inner[:, -1:].contiguous()))
+    last = inner[:, -1:].contiguous()
+    pos = torch.minimum(torch.searchsorted(inner, target, right=True), torch.searchsorted(inner, last))
     j = (blk * bs + pos.clamp_(max=bs - 1)).squeeze(1)
     return j.clamp_(max=width - 1), total.squeeze(1)
 
@@ -643,7 +644,8 @@ def _cut_groups(logits, rows, index, candidates, cut, listed):
 def _min_p_widths(x: torch.Tensor, opts: list[SamplingOptions], wants: list[int]) -> list[int]:
     """`wants` with each 0 (a row under min_p, no top_k) replaced by one more than the count of tokens its
     min_p keeps (logits within temperature * ln(min_p) of the peak; rounded to keep more), so that its
-    smallest candidate is one min_p cuts."""
+    smallest candidate is one min_p cuts; at most `_NUCLEUS_CANDIDATES`: a row keeping more takes the row
+    path (whose min_p needs no sort) rather than widen the group's top-k to most of the vocabulary."""
     rows = [r for r, want in enumerate(wants) if want == 0]
     sub = x.index_select(0, torch.tensor(rows, device=x.device)) if len(rows) < x.shape[0] else x
     peak = sub.amax(1, keepdim=True)
@@ -653,7 +655,7 @@ def _min_p_widths(x: torch.Tensor, opts: list[SamplingOptions], wants: list[int]
     counts = torch.where(torch.isfinite(peak), (sub >= cutoff).sum(1, keepdim=True), 0).squeeze(1).tolist()
     out = list(wants)
     for r, c in zip(rows, counts):
-        out[r] = c + 1
+        out[r] = min(c + 1, _NUCLEUS_CANDIDATES)
     return out
 
 
