@@ -141,6 +141,21 @@ def test_llguidance_refuses_what_it_cannot_lay_out(registered):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "indented" in err.details()
 
 
+def test_llguidance_names_what_it_ignores(registered):
+    schema = {"title": salt(), "type": "object", "properties": {"a": {"type": "string"}},
+              "dependencies": {"a": ["b"]}, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+
+    async def go():
+        client = GrammarClient(registered.target)
+        try:
+            return await compile_on(client, registered.fingerprint, json_schema(schema), LLGUIDANCE)
+        finally:
+            await client.close()
+
+    out = run(go())
+    assert {w.keyword for w in out.warning_details} == {"dependencies", "oneOf"}, out.warnings
+
+
 # ---------------------------------------------------------------- auto: the fallback
 
 

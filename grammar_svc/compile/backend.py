@@ -253,7 +253,7 @@ class GrammarBackend:
             raise
         duration = time.perf_counter() - start
         self.metrics.compile_duration.labels(kind).observe(duration)
-        entry = CompiledEntry(grammar_id, compiled, tokenizer, (), duration, compiled.memory_size_bytes,
+        entry = CompiledEntry(grammar_id, compiled, tokenizer, compiled.warnings, duration, compiled.memory_size_bytes,
                               json_schema=spec.text if spec.kind is Kind.JSON_SCHEMA else None,
                               backend=LLGUIDANCE, backend_reason=reason)
         self.cache.put(entry)

@@ -29,6 +29,7 @@ itself (else llguidance's greedy tokenization of the same vocabulary).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class LlguidanceGrammar:
     # A matcher in the start state that sessions copy: a copy costs far less than building the grammar's
     # matcher again, which a large schema makes expensive.
     start: object = field(compare=False, repr=False, default=None)
+    # What llguidance ignores or approximates in it, one line each (CompileResponse.warnings).
+    warnings: tuple[str, ...] = ()
 
     @property
     def memory_size_bytes(self) -> int:
@@ -121,7 +124,10 @@ def json_compile_options(options: JsonOptions) -> dict:
     if options.any_key_order:
         raise InvalidGrammarError("the llguidance grammar backend writes properties in schema order only; drop "
                                   "any_key_order, or use the xgrammar backend")
-    out: dict = {"item_separator": ",", "key_separator": ":", "lenient": False}
+    # lenient: keywords llguidance does not implement are ignored and named in the compile warnings, and
+    # coerce_one_of: oneOf is applied as anyOf (warned), as xgrammar does with both; the output check reports
+    # a document that breaks them.
+    out: dict = {"item_separator": ",", "key_separator": ":", "lenient": True, "coerce_one_of": True}
     if options.whitespace is Whitespace.COMPACT:
         out["whitespace_flexible"] = False
     else:
@@ -191,7 +197,27 @@ def compile_llguidance(tok, spec) -> LlguidanceGrammar:
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidGrammarError(f"{spec.kind.value} is refused by llguidance: {matcher.get_error()}")
-    return LlguidanceGrammar(grammar, tokenizer, frozenset(int(t) for t in tok.info.stop_token_ids), matcher)
+    return LlguidanceGrammar(grammar, tokenizer, frozenset(int(t) for t in tok.info.stop_token_ids), matcher,
+                             tuple(_warning_lines(messages)))
+
+
+_UNIMPLEMENTED = re.compile(r"^Unimplemented keys: (\[.*?\])(?: \(\d+ times\))?$")
+
+
+def _warning_lines(messages: list[str]) -> list[str]:
+    """llguidance's warnings as compile warning lines, each led by the keyword it is about."""
+    out = []
+    for message in messages:
+        keys = _UNIMPLEMENTED.match(message)
+        try:
+            names = json.loads(keys.group(1)) if keys else None
+        except ValueError:
+            names = None
+        if isinstance(names, list):
+            out += [f"{name} is ignored (llguidance does not implement it)" for name in names]
+        else:
+            out.append(message)
+    return out
 
 
 class LlguidanceMatcher:
