@@ -233,3 +233,37 @@ def test_on_cuda_masked_ids_top_k_and_logprobs():
             assert want[token] > 0
             if lp is not None:
                 assert lp.logprob == pytest.approx(math.log(want[token]), abs=1e-3)
+
+
+def test_adjustments_over_the_batch_equal_the_row_by_row_ones():
+    """`adjust_rows` (bias, repetition, presence/frequency in one op each) writes exactly what the per-row
+    functions write, -inf kept; a row with an id past the logits is reported and left out, the others exact."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    for trial in range(20):
+        x = torch.randn(6, vocab, generator=gen) * 3
+        x[:, ::9] = NEG_INF
+        rng = np.random.default_rng(trial)
+        bias = [(i, torch.from_numpy(np.sort(rng.choice(vocab, 5, replace=False))), torch.randn(5, generator=gen))
+                for i in (0, 2, 5)]
+        penalties = [(i, rng.choice(vocab, 30, replace=False).astype(np.int64), float(rng.uniform(0.5, 2)))
+                     for i in (1, 2, 5)]
+        occurrences = [(i, rng.choice(vocab, 20, replace=False).astype(np.int64),
+                        rng.integers(1, 5, 20).astype(np.float32), float(rng.uniform(-2, 2)),
+                        float(rng.uniform(-2, 2))) for i in (0, 3, 5)]
+        with torch.inference_mode():
+            by_row, at_once = x.clone(), x.clone()
+            for i, ids, values in bias:
+                sampling.add_at(by_row, i, ids, values)
+            for i, ids, penalty in penalties:
+                sampling.apply_repetition_penalty(by_row, i, ids, penalty)
+            for i, ids, counts, presence, frequency in occurrences:
+                sampling.apply_occurrence_penalties(by_row, i, ids, counts, presence, frequency)
+            assert sampling.adjust_rows(at_once, bias, penalties, occurrences) == set()
+        assert torch.equal(by_row, at_once)
+    with torch.inference_mode():
+        x = torch.zeros(3, vocab)
+        bad = sampling.adjust_rows(x, [(0, torch.tensor([1, vocab]), torch.tensor([1.0, 2.0])),
+                                       (1, torch.tensor([3]), torch.tensor([5.0]))],
+                                   [(2, np.array([vocab + 5]), 1.5)], [])
+    assert bad == {0, 2} and x[1, 3] == 5.0 and x[0].abs().sum() == 0

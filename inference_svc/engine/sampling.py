@@ -382,6 +382,57 @@ def apply_repetition_penalty(logits: torch.Tensor, row: int, ids: np.ndarray, pe
 
 
 @torch.inference_mode()
+def adjust_rows(logits: torch.Tensor, bias: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+                penalties: Sequence[tuple[int, np.ndarray, float]],
+                occurrences: Sequence[tuple[int, np.ndarray, np.ndarray, float, float]]) -> set[int]:
+    """`add_at`, `apply_repetition_penalty` and `apply_occurrence_penalties` for every listed row at once, in
+    that order, one indexed op each over the flattened logits; returns the rows left untouched because an id
+    of theirs is no column of `logits` (checked before anything is written, so the others are exact).
+
+    `logits` must be contiguous (the ops write through a flat view).
+    """
+    width = logits.shape[1]
+    flat = logits.view(-1)
+    device = logits.device
+    bad: set[int] = set()
+    if bias:
+        ids = torch.cat([t for _, t, _ in bias])
+        lengths = torch.tensor([t.shape[0] for _, t, _ in bias], device=device)
+        row = torch.repeat_interleave(torch.tensor([i for i, _, _ in bias], device=device), lengths)
+        outside = (ids < 0) | (ids >= width)
+        if bool(outside.any()):  # one host wait, and only for a step with a bias
+            bad.update(row[outside].tolist())
+        keep = ~torch.isin(row, torch.tensor(sorted(bad), dtype=row.dtype, device=device)) if bad else None
+        at, values = ids + row * width, torch.cat([v for _, _, v in bias]).to(logits.dtype)
+        if keep is not None:
+            at, values = at[keep], values[keep]
+        flat.index_add_(0, at, values)
+    rep = [(i, ids, p) for i, ids, p in penalties if _inside(ids, width, i, bad)]
+    if rep:
+        at = torch.from_numpy(np.concatenate([ids + i * width for i, ids, _ in rep])).to(device)
+        factor = torch.from_numpy(np.concatenate([np.full(ids.size, p, dtype=np.float32) for _, ids, p in rep]))
+        factor = factor.to(device, logits.dtype)
+        values = flat.index_select(0, at)
+        flat.index_copy_(0, at, torch.where(values < 0, values * factor, values / factor))
+    occ = [entry for entry in occurrences if _inside(entry[1], width, entry[0], bad)]
+    if occ:
+        at = torch.from_numpy(np.concatenate([ids + i * width for i, ids, _, _, _ in occ])).to(device)
+        amount = np.concatenate([counts * np.float32(f) + np.float32(pr) for _, _, counts, pr, f in occ])
+        flat.index_add_(0, at, torch.from_numpy(-amount).to(device, logits.dtype))
+    return bad
+
+
+def _inside(ids: np.ndarray, width: int, row: int, bad: set[int]) -> bool:
+    """Whether every id is a column (else `row` joins `bad`); rows already bad stay out."""
+    if row in bad:
+        return False
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= width):
+        bad.add(row)
+        return False
+    return True
+
+
+@torch.inference_mode()
 def ban_unless_only(logits: torch.Tensor, row: int, banned: np.ndarray,
                     candidates: np.ndarray | None) -> np.ndarray | None:
     """Takes the `banned` ids out of one row unless nothing else is left to draw; returns the row's candidates.

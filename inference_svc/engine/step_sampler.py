@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from inference_svc.engine.masking import apply_masks
-from inference_svc.engine.sampling import (RowLogprobs, RowSampler, add_at, apply_occurrence_penalties,
+from inference_svc.engine.sampling import (RowLogprobs, RowSampler, add_at, adjust_rows, apply_occurrence_penalties,
                                            apply_repetition_penalty, ban_unless_only, finite_at, numpy_fast,
                                            sample_with_logprobs)
 from shared import errors
@@ -123,7 +123,13 @@ class StepSampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, plan: RowPlan, failed: dict[int, Exception]) -> None:
-        """The rows' logit bias, then repetition, presence and frequency penalties (vLLM's order), in place."""
+        """The rows' logit bias, then repetition, presence and frequency penalties (vLLM's order), in place:
+        every row at once (`adjust_rows`), or row by row where the logits are not contiguous."""
+        if logits.is_contiguous():
+            for i in adjust_rows(logits, plan.bias, plan.penalties, plan.occurrences):
+                failed[i] = IndexError(f"a token id of this row's logit bias or history is no column of the "
+                                       f"logits (0 to {logits.shape[1] - 1})")
+            return
         for i, ids, values in plan.bias:
             try:
                 add_at(logits, i, ids, values)
