@@ -25,8 +25,8 @@ most likely alternatives from the very distribution the token was drawn from
 logit bias (`add_at`), the repetition penalty (`apply_repetition_penalty`),
 the presence and frequency penalties (`apply_occurrence_penalties`) and the
 EOS ban of `min_tokens` (`ban_unless_only`) rewrite logits in place before the
-draw, in vLLM's order (bias, repetition, presence/frequency), all before the
-grammar's mask; the ids a penalty reads are kept per request, grown by each
+draw, in vLLM's order (bias, repetition, presence/frequency; `adjust_rows` does
+the three for a step's rows at once), all before the grammar's mask; the ids a penalty reads are kept per request, grown by each
 step's new tokens (`SeenTokens`, `OutputCounts`). A request that asks for none
 of them has `RowSampler.adjusts` False and costs nothing for them.
 
