@@ -29,7 +29,7 @@ from tests.deploy_assets import REPO
 PACKAGES = {"grammar": "grammar_svc", "inference": "inference_svc", "gateway": "gateway"}
 DOCKERFILES = {image: REPO / package / "Dockerfile" for image, package in PACKAGES.items()}
 # The extras each image installs besides the base dependencies.
-EXTRAS = {"grammar": set(), "inference": {"inference"}, "gateway": {"gateway"}}
+EXTRAS = {"grammar": {"grammar"}, "inference": {"inference"}, "gateway": {"gateway"}}
 # The image's `pip install` of the package: `pip install .` or `pip install ".[extra,...]"`.
 PIP_INSTALL = re.compile(r"""pip install (['"]?)\.(?:\[([\w,-]+)\])?\1(?:\s|$)""")
 
@@ -54,18 +54,23 @@ def _torch_pin() -> str:
 def test_dockerfile_rules(service):
     ins = instructions(DOCKERFILES[service])
     runs = [a for i, a in ins if i == "RUN"]
-    # The pinned torch, first, from the PyTorch index: CPU build for grammar and the gateway, CUDA build for
-    # inference.
-    torch_run = next(r for r in runs if "torch==" in r)
-    assert f"torch=={_torch_pin()}" in torch_run
-    assert runs.index(torch_run) < next(i for i, r in enumerate(runs) if PIP_INSTALL.search(r))
-    args = {a.split("=")[0]: a.split("=", 1)[1] for i, a in ins if i == "ARG" and "=" in a}
-    index = re.search(r"--index-url\s+(\S+)", torch_run).group(1).strip('"')
-    index = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m.group(1)], index)
-    if service != "inference":
-        assert index.endswith("/whl/cpu")
+    # The pinned torch, first, from the PyTorch index: CPU build for grammar, CUDA build for inference; none in
+    # the gateway's image, which never imports it (tests/test_gateway_image.py).
+    if service == "gateway":
+        assert not [r for r in runs if "torch" in r]
+        torch_run = None
     else:
-        assert re.search(r"/whl/cu\d+$", index), f"inference needs a CUDA build of torch, not {index}"
+        torch_run = next(r for r in runs if "torch==" in r)
+    if torch_run is not None:
+        assert f"torch=={_torch_pin()}" in torch_run
+        assert runs.index(torch_run) < next(i for i, r in enumerate(runs) if PIP_INSTALL.search(r))
+        args = {a.split("=")[0]: a.split("=", 1)[1] for i, a in ins if i == "ARG" and "=" in a}
+        index = re.search(r"--index-url\s+(\S+)", torch_run).group(1).strip('"')
+        index = re.sub(r"\$\{?(\w+)\}?", lambda m: args[m.group(1)], index)
+        if service == "grammar":
+            assert index.endswith("/whl/cpu")
+        else:
+            assert re.search(r"/whl/cu\d+$", index), f"inference needs a CUDA build of torch, not {index}"
     # Stubs as `make setup` makes them, before the package is installed.
     make_setup = re.search(r"^setup:.*\n\t(.*)$", (REPO / "Makefile").read_text(), re.M).group(1)
     assert "-m shared.protogen" in make_setup
