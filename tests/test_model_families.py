@@ -226,7 +226,7 @@ LLAMA_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|en
 
 
 @pytest.fixture(scope="module")
-def llama3_stub(grammar_server, tmp_path_factory):
+def llama3_server(grammar_server, tmp_path_factory):
     """The real inference server with --model-family llama3 (a Llama-3-like template; simulated steps)."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
@@ -236,10 +236,47 @@ def llama3_stub(grammar_server, tmp_path_factory):
         host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,), simulate_step_ms=1.0,
         chat_template=template, model_family="llama3", engine=EngineConfig(max_num_seqs=4, default_max_tokens=8))
     srv = InferenceServerThread(cfg)
-    channel = grpc.insecure_channel(srv.target)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llama3_stub(llama3_server):
+    channel = grpc.insecure_channel(llama3_server.target)
     yield pb_grpc.InferenceServiceStub(channel)
     channel.close()
-    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llama3_openai(llama3_server):
+    """The official OpenAI SDK through the gateway in front of the llama3 server."""
+    import openai
+
+    from gateway.config import GatewayConfig
+    from gateway.server import GatewayServer
+    from structd.bench.harness import ServiceThread
+
+    gateway = ServiceThread(GatewayServer(GatewayConfig(host="127.0.0.1", port=0, target=llama3_server.target)),
+                            "gateway", start_timeout=60.0)
+    client = openai.OpenAI(base_url=f"http://{gateway.target}/v1", api_key="unused", max_retries=0, timeout=120.0)
+    yield client
+    client.close()
+    gateway.stop()
+
+
+def test_a_llama3_tool_call_through_the_openai_sdk(llama3_openai):
+    """Issue 27's check: a Llama-3-style tool call as an OpenAI client receives it."""
+    schema = WEATHER.parameters
+    model = llama3_openai.models.list().data[0].id
+    completion = llama3_openai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": schema}}],
+        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=3)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
