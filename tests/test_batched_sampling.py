@@ -214,7 +214,8 @@ def test_a_seeded_row_does_not_depend_on_its_neighbours(spec):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device (scripts/device/check runs these on a GPU machine)")
 def test_on_cuda_masked_ids_top_k_and_logprobs():
     """The batch on a CUDA device: masked ids never drawn, top_k respected, logprobs those of the numpy
     reference at the drawn token."""

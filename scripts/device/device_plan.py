@@ -50,8 +50,9 @@ class Phase:
 PHASES = (
     Phase("setup", "Versions", "the carried wheels import; torch, transformers, triton, xgrammar and the device"),
     Phase("correctness", "Correctness on CUDA",
-          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py): CUDA vs CPU reference, compiled "
-          "body vs eager, sparse vs full head, logprobs and min_tokens, the engine-core process end to end"),
+          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py, tests/test_batched_sampling.py): "
+          "CUDA vs CPU reference, compiled body vs eager, sparse vs full head, logprobs and min_tokens, the KV cache "
+          "sized from the device, the batched sampler, the engine-core process end to end"),
     Phase("realistic", "Realistic shapes",
           "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
           "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas; transformers + xgrammar on "
@@ -139,7 +140,8 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
 
     add("setup", "versions", [*python(), str(repo / "scripts" / "device" / "versions.py")], kind="versions")
     add("correctness", "pytest-cuda",
-        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "-q", "-p", "no:cacheprovider",
+        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "tests/test_batched_sampling.py", "-q",
+         "-p", "no:cacheprovider",
          # A test that hangs (a CUDA graph, a core that never answers) fails alone; the others still run.
          "-o", "addopts=", "-rs", "--timeout=100", f"--junitxml={work / 'pytest-cuda' / 'junit.xml'}"],
         env={"CUDA_LAUNCH_BLOCKING": "1"}, kind="pytest")
