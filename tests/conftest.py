@@ -9,6 +9,7 @@ gRPC on loopback. Tests talk to it with the asyncio client through `run`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -214,6 +215,28 @@ def background_complete(target, **kwargs):
     t = threading.Thread(target=go, daemon=True)
     t.start()
     return t, box
+
+
+def inference_config(argv: list[str], env: dict[str, str] | None = None):
+    """The inference service's config as `structd inference ARGV` (with env as its environment) builds it."""
+    import argparse
+
+    from inference_svc import config as iconfig
+
+    parser = argparse.ArgumentParser()
+    iconfig.add_arguments(parser, env or {})
+    return iconfig.from_args(parser.parse_args(argv))
+
+
+@contextlib.contextmanager
+def inference_stub(target: str):
+    """An InferenceService stub on a plaintext channel to target, closed on exit."""
+    import grpc
+
+    from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        yield pb_grpc.InferenceServiceStub(channel)
 
 
 def wait_until(cond, what: str, timeout: float = 30.0) -> None:

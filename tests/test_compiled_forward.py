@@ -6,19 +6,18 @@ near half a minute on 2 cores, and steps above it exercise the eager fallback.
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import pytest
 import torch
 
-from inference_svc import config as iconfig
 from inference_svc.config import bucket_sizes
 from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, inductor_mode
 from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
+from tests.conftest import inference_config
 
 TINY = EmbeddedModelSpec(name="compile-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128)
@@ -145,12 +144,6 @@ def test_cuda_graphs_only_on_cuda(mode, device, want):
     assert inductor_mode(mode, torch.device(device)) == want
 
 
-def _config(argv: list[str], env: dict[str, str] | None = None) -> iconfig.InferenceServiceConfig:
-    parser = argparse.ArgumentParser()
-    iconfig.add_arguments(parser, env or {})
-    return iconfig.from_args(parser.parse_args(argv))
-
-
 @pytest.mark.parametrize("argv, env, device, mode, buckets", [
     pytest.param([], {}, "cpu", "off", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="auto-off-on-cpu"),
     pytest.param([], {}, "cuda", "default", (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="auto-default-on-cuda"),
@@ -160,7 +153,7 @@ def _config(argv: list[str], env: dict[str, str] | None = None) -> iconfig.Infer
                  (8, 32), id="env-twin-and-buckets"),
 ])
 def test_compile_flags(argv, env, device, mode, buckets):
-    config = _config(argv, env)
+    config = inference_config(argv, env)
     assert config.compile_mode(device) == mode and config.bucket_sizes() == buckets
 
 
@@ -172,7 +165,7 @@ def test_compile_flags(argv, env, device, mode, buckets):
 ])
 def test_compile_flag_problems(argv, message):
     with pytest.raises(SystemExit, match=message):
-        _config(argv)
+        inference_config(argv)
 
 
 @pytest.mark.parametrize("mode, partition, refused", [

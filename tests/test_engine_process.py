@@ -29,7 +29,7 @@ import pytest
 from shared.inference_client import InferenceClient, InferenceError
 from structd.bench.harness import ServiceThread, free_port
 from tests.conftest import (TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread, assert_engine_gone,
-                            background_complete, wait_until)
+                            background_complete, inference_config, wait_until)
 from tests.test_schema_check import PIGEONHOLE
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
@@ -278,16 +278,6 @@ def _handles_sigusr1(pid: int) -> bool:
     return bool(int(caught.group(1), 16) & (1 << (signal.SIGUSR1 - 1)))
 
 
-def _parsed(argv, env=None):
-    import argparse
-
-    from inference_svc import config
-
-    parser = argparse.ArgumentParser()
-    config.add_arguments(parser, env or {})
-    return config.from_args(parser.parse_args(argv))
-
-
 @pytest.mark.parametrize("argv, env, device, want", [
     pytest.param([], {}, "cpu", False, id="auto-off-on-the-cpu"),
     pytest.param([], {}, "cuda", True, id="auto-on-with-cuda"),
@@ -299,14 +289,14 @@ def _parsed(argv, env=None):
 def test_the_flag(argv, env, device, want):
     from inference_svc.config import InferenceServiceConfig
 
-    config = _parsed([*argv, "--device", device], env)
+    config = inference_config([*argv, "--device", device], env)
     assert config.engine_in_own_process() is want
-    assert _parsed([]).engine_process == InferenceServiceConfig().engine_process == "auto"
+    assert inference_config([]).engine_process == InferenceServiceConfig().engine_process == "auto"
 
 
 def test_a_bad_flag_value_says_what_to_use():
     with pytest.raises(SystemExit, match="--engine-process yes: use auto, on, off"):
-        _parsed(["--engine-process", "yes"])
+        inference_config(["--engine-process", "yes"])
 
 
 def test_both_engines_have_the_face_the_frontend_talks_to():

@@ -19,7 +19,7 @@ from inference_svc.engine.sampling import RowSampler, SamplingOptions
 from inference_svc.model.head.sparse_head import SparseHead, head_plan
 from inference_svc.engine.step_sampler import RowPlan, StepSampler
 from shared.codec import SparseMask, words_for_vocab
-from tests.conftest import untestable_here
+from tests.conftest import inference_config, untestable_here
 
 VOCAB = 129_280
 WIDTH = 256
@@ -209,10 +209,4 @@ def test_a_dense_row_is_screened_with_the_ids_its_bitmask_disallows(head):
     pytest.param([], {"STRUCTD_INFERENCE_GREEDY_HEAD": "off"}, False, id="env"),
 ])
 def test_greedy_head_flag(argv, env, want):
-    import argparse
-
-    from inference_svc import config as iconfig
-
-    parser = argparse.ArgumentParser()
-    iconfig.add_arguments(parser, env)
-    assert iconfig.from_args(parser.parse_args(argv)).engine.greedy_head is want
+    assert inference_config(argv, env).engine.greedy_head is want

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from shared.gen.inference.v1 import inference_service_pb2 as pb
-from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+from tests.conftest import inference_stub
 
 THINK_END = "</think>"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 8},
@@ -34,9 +34,8 @@ CHAT = [pb.ChatMessage(role="system", content="You are terse."), pb.ChatMessage(
 
 @pytest.fixture(scope="module")
 def stub(inference_server):
-    channel = grpc.insecure_channel(inference_server.target)
-    yield pb_grpc.InferenceServiceStub(channel)
-    channel.close()
+    with inference_stub(inference_server.target) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from inference_svc.api.tool_calls import _EbnfCache
 from shared.gen.inference.v1 import inference_service_pb2 as pb
 from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 from shared.json_nesting import MAX_NESTING
-from tests.conftest import InferenceServerThread, wait_until
+from tests.conftest import InferenceServerThread, inference_stub, wait_until
 
 LIMIT_BYTES = 64 * 1024
 MAX_WAITING = 2
@@ -61,9 +61,8 @@ def hostile_server(grammar_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stub(hostile_server):
-    channel = grpc.insecure_channel(hostile_server.target)
-    yield pb_grpc.InferenceServiceStub(channel)
-    channel.close()
+    with inference_stub(hostile_server.target) as stub:
+        yield stub
 
 
 def _generate(stub, **fields) -> list[pb.GenerateResponse]:

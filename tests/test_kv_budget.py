@@ -6,6 +6,7 @@ import pytest
 
 from inference_svc.config import DEFAULT_KV_CACHE_BYTES
 from inference_svc.model.kv_budget import KVBudgetError, kv_budget_bytes
+from tests.conftest import inference_config
 
 GiB = 2**30
 
@@ -46,11 +47,5 @@ def test_cpu_keeps_the_fixed_default_and_the_server_exports_its_size(inference_s
     pytest.param(["--kv-cache-bytes", "-1"], "--kv-cache-bytes", id="negative-bytes"),
 ])
 def test_flag_problems(argv, problem):
-    import argparse
-
-    from inference_svc import config as iconfig
-
-    parser = argparse.ArgumentParser()
-    iconfig.add_arguments(parser, {})
     with pytest.raises(SystemExit, match=problem.replace(".", r"\.")):
-        iconfig.from_args(parser.parse_args(argv))
+        inference_config(argv)

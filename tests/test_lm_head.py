@@ -7,19 +7,17 @@ could round differently from the full head (lm_head.py).
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import pytest
 import torch
 
-from inference_svc import config as iconfig
 from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.model.head.lm_head import LmHead, PackedKernel, PlainKernel
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.model.head.sparse_head import SparseHead
-from tests.conftest import untestable_here
+from tests.conftest import inference_config, untestable_here
 
 VOCAB = 129_280
 WIDTH = 256
@@ -157,21 +155,15 @@ def test_a_tensor_parallel_runner_leaves_the_head_to_the_model(tiny_model_dir):
     assert runner.lm_head is None and not runner.splits_head
 
 
-def _config(argv: list[str], env: dict[str, str] | None = None) -> iconfig.InferenceServiceConfig:
-    parser = argparse.ArgumentParser()
-    iconfig.add_arguments(parser, env or {})
-    return iconfig.from_args(parser.parse_args(argv))
-
-
 @pytest.mark.parametrize("argv, env, want", [
     pytest.param([], {}, "auto", id="default"),
     pytest.param(["--lm-head-kernel", "plain"], {}, "plain", id="flag"),
     pytest.param([], {"STRUCTD_INFERENCE_LM_HEAD_KERNEL": "plain"}, "plain", id="env"),
 ])
 def test_lm_head_kernel_flag(argv, env, want):
-    assert _config(argv, env).lm_head_kernel == want
+    assert inference_config(argv, env).lm_head_kernel == want
 
 
 def test_unknown_lm_head_kernel_is_refused():
     with pytest.raises(SystemExit, match="--lm-head-kernel onednn: use auto, plain"):
-        _config(["--lm-head-kernel", "onednn"])
+        inference_config(["--lm-head-kernel", "onednn"])

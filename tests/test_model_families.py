@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import jsonschema
 import pytest
 import xgrammar as xgr
@@ -28,9 +27,8 @@ from grammar_svc.types import Kind
 from inference_svc.api.model_family import bundled_names, detect_family, load_family
 from inference_svc.api.tool_calls import ToolCallParser, ToolChoice, ToolSpec, tool_call_structural_tag
 from shared.gen.inference.v1 import inference_service_pb2 as pb
-from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
 
-from tests.conftest import InferenceServerThread
+from tests.conftest import InferenceServerThread, inference_stub
 from tests.test_tool_calls import random_answer
 
 # Our family -> xgrammar's key for it.
@@ -242,9 +240,8 @@ def llama3_server(grammar_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama3_stub(llama3_server):
-    channel = grpc.insecure_channel(llama3_server.target)
-    yield pb_grpc.InferenceServiceStub(channel)
-    channel.close()
+    with inference_stub(llama3_server.target) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")

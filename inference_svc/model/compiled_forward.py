@@ -67,13 +67,17 @@ def inductor_mode(mode: str, device: torch.device) -> str | None:
     return None if mode == "default" else "max-autotune-no-cudagraphs"
 
 
+def captures_cuda_graphs(inductor_mode_name: str | None) -> bool:
+    """Whether torch.compile's mode captures CUDA graphs (inductor_mode gives these on CUDA only)."""
+    return inductor_mode_name in ("reduce-overhead", "max-autotune")
+
+
 def check_graph_partition(inductor_mode_name: str | None) -> None:
     """Refuses CUDA graphs without inductor's graph partitioning: only partitioning keeps the opaque attention
     op out of the captured graphs; captured, it would replay one step's KV slots on every later step."""
     import torch._inductor.config as inductor_config
 
-    graphs = inductor_mode_name in ("reduce-overhead", "max-autotune")
-    if graphs and not getattr(inductor_config, "graph_partition", False):
+    if captures_cuda_graphs(inductor_mode_name) and not getattr(inductor_config, "graph_partition", False):
         raise RuntimeError(
             "--compile with CUDA graphs needs inductor's graph partitioning (torch._inductor.config."
             "graph_partition), which is off or missing in this torch: the paged attention op would be captured "
@@ -177,7 +181,7 @@ class CompiledBody:
         check_graph_partition(mode)
         # CUDA graph trees keep per-thread state: graphs recorded on one thread are recorded again (and a second
         # pool kept) when another replays them; forwards must run where warm_up ran.
-        self._graphs = mode in ("reduce-overhead", "max-autotune")
+        self._graphs = captures_cuda_graphs(mode)
         self._warmed_on: threading.Thread | None = None
         self._compiled = torch.compile(self._eager, mode=mode, dynamic=False, fullgraph=True)
         model.set_attn_implementation(register_op_attention())
