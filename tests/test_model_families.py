@@ -9,7 +9,8 @@ format fails here. Then, per family, on the real tokenizer: the parser
 reads calls written in the format, and the grammar for tool_choice required
 accepts them and refuses malformed ones. Last, a Llama 3 tool call through
 the real inference server (simulated steps: its tokens are random, the
-grammar gives them their form).
+grammar gives them their form), and a Qwen3-Coder one, whose arguments are
+parameter tags read back into JSON.
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ from tests.conftest import InferenceServerThread, inference_stub
 from tests.test_tool_calls import random_answer
 
 # Our family -> xgrammar's key for it.
-XGRAMMAR_MODEL = {"deepseek": "deepseek_v3_1", "deepseek_r1": "deepseek_r1", "exaone": "exaone", "gpt_oss": "harmony",
-                  "kimi_k2": "kimi", "llama3": "llama", "qwen": "qwen_3"}
-# xgrammar's families whose arguments are XML-like parameter tags, not JSON: not bundled (README says why).
-NOT_BUNDLED = {"cohere", "deepseek_v3_2", "deepseek_v4", "deepseek_v4_1", "glm_4_7", "kimi_k3", "mimo", "minimax",
-               "minimax_m3", "qwen_3_5", "qwen_3_coder"}
+XGRAMMAR_MODEL = {"deepseek": "deepseek_v3_1", "deepseek_r1": "deepseek_r1", "deepseek_v32": "deepseek_v3_2",
+                  "deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v4_1", "exaone": "exaone",
+                  "glm": "glm_4_7", "gpt_oss": "harmony", "kimi_k2": "kimi", "llama3": "llama", "mimo": "mimo",
+                  "minimax": "minimax", "qwen": "qwen_3", "qwen3_coder": "qwen_3_coder"}
+# xgrammar's keys for the same format as another key's (one function registered under both names).
+SAME_AS = {"qwen_3_5": "qwen_3_coder"}
+# xgrammar's families whose arguments nest tags recursively (objects and lists as tags of tags), which the
+# parameter-tag reader does not read: not bundled (README says so).
+NOT_BUNDLED = {"cohere", "kimi_k3", "minimax_m3"}
 PROBE = "probe_tool"
 FAMILIES = [pytest.param(load_family(n), id=n) for n in bundled_names()]
 
@@ -49,7 +54,9 @@ CALLS = [("get_weather", '{"city":"Paris","unit":"c"}'), ("get_time", '{"zone":"
 
 def test_every_xgrammar_family_is_bundled_or_listed_as_not():
     assert set(XGRAMMAR_MODEL) == set(bundled_names())
-    assert set(_structural_tag_registry) == set(XGRAMMAR_MODEL.values()) | NOT_BUNDLED
+    assert set(_structural_tag_registry) == set(XGRAMMAR_MODEL.values()) | set(SAME_AS) | NOT_BUNDLED
+    for alias, key in SAME_AS.items():
+        assert _structural_tag_registry[alias] is _structural_tag_registry[key]
 
 
 def _path_to_call(node, path=()):
@@ -90,8 +97,9 @@ def xgrammar_format(model: str, reasoning: str = "disabled") -> tuple[dict, dict
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_format_is_xgrammars_for_the_family(family):
     theirs, arguments = xgrammar_format(XGRAMMAR_MODEL[family.name])
-    assert (arguments["type"], arguments["style"]) == ("json_schema", "json")  # JSON arguments: structd's grammar
     ours = family.tool_calls
+    # JSON arguments: structd's grammar; parameter tags: xgrammar's, in the style the family names.
+    assert (arguments["type"], arguments["style"]) == ("json_schema", ours.arguments.style if ours.arguments else "json")
     if theirs["separator"] is None:
         theirs["separator"] = ours.separator
     assert {k: getattr(ours, k) for k in theirs} == theirs
@@ -105,6 +113,8 @@ def test_the_format_is_xgrammars_for_the_family(family):
     pytest.param({t: i for i, t in enumerate(load_family("kimi_k2").detect_tokens)}, "kimi_k2", id="kimi_k2"),
     pytest.param({t: i for i, t in enumerate(load_family("gpt_oss").detect_tokens)}, "gpt_oss", id="gpt_oss"),
     pytest.param({"<tool_call>": 1, "</tool_call>": 2}, "qwen", id="exaone-markers-are-qwen"),
+    pytest.param({t: i for i, t in enumerate(load_family("glm").detect_tokens)}, "glm", id="glm"),
+    pytest.param({t: i for i, t in enumerate(load_family("minimax").detect_tokens)}, "minimax", id="minimax"),
 ])
 def test_detection_of_the_new_families(vocab, expected):
     assert detect_family(vocab).name == expected
@@ -122,7 +132,7 @@ def answer(family, calls=CALLS) -> str:
 
 def parse(family, pieces) -> tuple[str, list[tuple[str, str]], dict[int, str]]:
     """(content, calls, each call's arguments joined from its deltas)."""
-    parser = ToolCallParser(family, [t.name for t in TOOLS])
+    parser = ToolCallParser(family, [t.name for t in TOOLS], {t.name: t.arguments_schema() for t in TOOLS})
     content, calls, streamed = [], [], {}
     for piece in [*pieces, None]:
         text, found = parser.push(piece) if piece is not None else parser.finish()
@@ -163,7 +173,8 @@ def _index(written: str):
 MALFORMED = [
     pytest.param(lambda f: answer(f, [("get_weather", '{"unit":"c"}')]), id="missing-required"),
     pytest.param(lambda f: answer(f, [("get_weather", '{"city":"Paris, France"}')]), id="string-too-long"),
-    pytest.param(lambda f: answer(f, [("get_weather", '{"city": "Paris"}')]), id="not-compact"),
+    pytest.param(lambda f: None if f.tool_calls.arguments else answer(f, [("get_weather", '{"city": "Paris"}')]),
+                 id="not-compact"),
     pytest.param(lambda f: answer(f, [("send_email", "{}")]), id="unknown-tool"),
     pytest.param(lambda f: answer(f, CALLS[:1])[:-1], id="cut-short"),
     pytest.param(lambda f: "Sure. " + answer(f), id="text-before"),
@@ -211,7 +222,7 @@ def test_random_answers_under_the_familys_grammar_parse_into_valid_calls(compile
                         xgr_tokenizer_info.vocab_size, seed)
     assert ids[-1] == hf_tokenizer.eos_token_id
     text = hf_tokenizer.decode(ids[:-1])
-    parser = ToolCallParser(family, [t.name for t in tools])
+    parser = ToolCallParser(family, [t.name for t in tools], {t.name: t.arguments_schema() for t in tools})
     content, found = parser.push(text)
     rest, more = parser.finish()
     assert content + rest == "" and found + more, text
@@ -223,17 +234,21 @@ LLAMA_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|en
                   "<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
-@pytest.fixture(scope="module")
-def llama3_server(grammar_server, tmp_path_factory):
-    """The real inference server with --model-family llama3 (a Llama-3-like template; simulated steps)."""
+def family_server(grammar_server, tmp_path_factory, family: str, template: str) -> InferenceServerThread:
+    """The real inference server with --model-family `family` and a chat template like the family's (simulated
+    steps)."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
-    template = tmp_path_factory.mktemp("template") / "llama3.jinja"
-    template.write_text(LLAMA_TEMPLATE)
-    cfg = InferenceServiceConfig(
+    path = tmp_path_factory.mktemp("template") / f"{family}.jinja"
+    path.write_text(template)
+    return InferenceServerThread(InferenceServiceConfig(
         host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar_server.target,), simulate_step_ms=1.0,
-        chat_template=template, model_family="llama3", engine=EngineConfig(max_num_seqs=4, default_max_tokens=8))
-    srv = InferenceServerThread(cfg)
+        chat_template=path, model_family=family, engine=EngineConfig(max_num_seqs=4, default_max_tokens=8)))
+
+
+@pytest.fixture(scope="module")
+def llama3_server(grammar_server, tmp_path_factory):
+    srv = family_server(grammar_server, tmp_path_factory, "llama3", LLAMA_TEMPLATE)
     yield srv
     srv.stop()
 
@@ -290,6 +305,39 @@ def test_a_llama3_tool_call_through_the_server(llama3_stub, seed):
     assert call.name == "get_weather" and responses[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
     assert "".join(r.text for r in responses) == ""
     jsonschema.validate(json.loads(call.arguments_json), schema)
+
+
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def qwen3_coder_stub(grammar_server, tmp_path_factory):
+    """The real inference server with --model-family qwen3_coder: tool arguments as parameter tags."""
+    srv = family_server(grammar_server, tmp_path_factory, "qwen3_coder", QWEN_TEMPLATE)
+    with inference_stub(srv.target) as stub:
+        yield stub
+    srv.stop()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_qwen3_coder_tool_call_through_the_server(qwen3_coder_stub, seed):
+    """Parameter tags through the whole stack: xgrammar's qwen_xml grammar on the grammar tier, the arguments
+    the client gets as one JSON object valid under the tool's schema (an integer property as a number)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"]}
+    request = pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="Weather in Paris?")],
+        tools=[pb.Tool(name="get_weather", parameters_json_schema=json.dumps(schema))],
+        tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), parallel_tool_calls=False,
+        sampling=pb.SamplingParams(max_tokens=400, temperature=1.0, seed=seed))
+    responses = list(qwen3_coder_stub.Generate(request, timeout=120))
+    (call,) = [c for r in responses for c in r.tool_calls]
+    assert call.name == "get_weather" and responses[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    arguments = json.loads(call.arguments_json)
+    jsonschema.validate(arguments, schema)
+    assert isinstance(arguments["days"], int)
 
 
 def test_special_tokens_of_the_markup_stay_in_the_text():

@@ -21,7 +21,8 @@ QWEN_TOKENS = {"<tool_call>": 151657, "</tool_call>": 151658, "<think>": 151667,
 
 
 def test_bundled_families_load():
-    assert bundled_names() == ["deepseek", "deepseek_r1", "exaone", "gpt_oss", "kimi_k2", "llama3", "qwen"]
+    assert bundled_names() == ["deepseek", "deepseek_r1", "deepseek_v32", "deepseek_v4", "deepseek_v41", "exaone", "glm",
+                               "gpt_oss", "kimi_k2", "llama3", "mimo", "minimax", "qwen", "qwen3_coder"]
     deepseek = load_family("deepseek")
     assert (deepseek.think_start, deepseek.think_end) == ("<think>", "</think>")
     assert deepseek.tool_calls == ToolCallFormat(

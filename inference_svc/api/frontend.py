@@ -192,4 +192,6 @@ class Frontend:
         constraint = r.constraint if tag is None else Constraint("structural_tag", json.dumps(tag))
         if choice.mode == "none":
             return constraint, None
-        return constraint, ToolCallParser(family, [t.name for t in choice.callable_tools(r.tools)])
+        callable_tools = choice.callable_tools(r.tools)
+        return constraint, ToolCallParser(family, [t.name for t in callable_tools],
+                                          {t.name: t.arguments_schema() for t in callable_tools})

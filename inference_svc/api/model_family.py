@@ -27,6 +27,25 @@ which the parser reads and does not return. `think` and `tool_calls` are optiona
 neither thinking nor tools. `detect_tokens` are the strings that must all be
 single tokens of a tokenizer's vocabulary for `detect_family` to pick the
 family; the bundled families are tried in file-name order.
+
+A family whose calls write their arguments as XML-like parameter tags
+(Qwen3-Coder's `<parameter=KEY>VALUE</parameter>`, GLM's, MiniMax's,
+DeepSeek V3.2's DSML) says so in `tool_calls.arguments`:
+
+      "arguments": {
+        "style": "qwen_xml",
+        "parameter_begin": "<parameter={key}>",
+        "value_begin": "",
+        "parameter_end": "</parameter>"
+      }
+
+`style` is xgrammar's name for the format (its `json_schema` format's
+`style`: xgrammar writes the grammar of these arguments), the rest is what
+the parser reads: each parameter as `parameter_begin` (with the key for
+`{key}`, and `true` or `false` for `{string}` where the family says whether
+the value is raw text), optional whitespace, `value_begin`, the value and
+`parameter_end`, whitespace between parameters. A value is raw text where
+its property's schema takes a string, else JSON (see tool_calls.py).
 """
 
 from __future__ import annotations
@@ -42,11 +61,38 @@ INDEX_FIELD = "{index}"
 
 _TOP_FIELDS = {"name": str, "description": str, "detect_tokens": list, "think": dict, "tool_calls": dict}
 _THINK_FIELDS = {"start": str, "end": str}
-_TOOL_FIELDS = {"block_begin": str, "call_begin": str, "call_end": str, "separator": str, "block_end": str}
+_TOOL_FIELDS = {"block_begin": str, "call_begin": str, "call_end": str, "separator": str, "block_end": str,
+                "arguments": dict}
+_ARGUMENT_FIELDS = {"style": str, "parameter_begin": str, "value_begin": str, "parameter_end": str}
+KEY_FIELD = "{key}"
+STRING_FIELD = "{string}"
+# xgrammar 0.2.8's parameter-tag styles whose markup is one tag per parameter (the recursive ones, Cohere's,
+# MiniMax M3's and Kimi K3's, are not: README lists them as not bundled).
+XML_STYLES = ("qwen_xml", "glm_xml", "minimax_xml", "deepseek_xml", "deepseek_v4_1_xml")
 
 
 class ModelFamilyError(ValueError):
     """A family file that cannot be used (the server's configuration, not a request)."""
+
+
+@dataclass(frozen=True)
+class XmlArguments:
+    """How a family writes a call's arguments as parameter tags (see the module docstring)."""
+
+    style: str  # one of XML_STYLES
+    parameter_begin: str  # contains "{key}" once, and "{string}" at most once after it
+    parameter_end: str
+    value_begin: str = ""
+
+    @property
+    def key_prefix(self) -> str:
+        """The text of `parameter_begin` before the key: what starts a parameter."""
+        return self.parameter_begin.split(KEY_FIELD, 1)[0]
+
+    def parameter_text(self, key: str, value: str, raw: bool) -> str:
+        """One parameter as the model writes it (`raw`: `value` is text, not JSON)."""
+        begin = self.parameter_begin.replace(KEY_FIELD, key).replace(STRING_FIELD, "true" if raw else "false")
+        return begin + self.value_begin + value + self.parameter_end
 
 
 @dataclass(frozen=True)
@@ -58,6 +104,7 @@ class ToolCallFormat:
     separator: str = ""
     block_begin: str = ""
     block_end: str = ""
+    arguments: XmlArguments | None = None  # None: the arguments are one JSON object
 
     @property
     def call_prefix(self) -> str:
@@ -85,9 +132,20 @@ class ToolCallFormat:
         return self.call_prefix + name + self.name_suffix
 
     def call_text(self, name: str, arguments: str, index: int = 0) -> str:
-        """One whole call as the model writes it."""
+        """One whole call as the model writes it, from its arguments as a JSON object's text."""
         number = "" if self.index_suffix is None else f"{index}{self.index_suffix}"
-        return self.begin_for(name) + number + arguments + self.call_end
+        return self.begin_for(name) + number + self.arguments_text(arguments) + self.call_end
+
+    def arguments_text(self, arguments: str) -> str:
+        """A call's arguments as the model writes them, from their JSON object text."""
+        if self.arguments is None:
+            return arguments
+        parts = []
+        for key, value in json.loads(arguments).items():
+            raw = isinstance(value, str)
+            parts.append(self.arguments.parameter_text(key, value if raw else json.dumps(value, ensure_ascii=False),
+                                                       raw))
+        return "".join(parts)
 
 
 @dataclass(frozen=True)
@@ -117,6 +175,9 @@ class ModelFamily:
             return frozenset()
         f = self.tool_calls
         markup = (f.block_begin, f.call_begin, f.call_end, f.separator, f.block_end)
+        if f.arguments is not None:  # GLM's <arg_key> and <arg_value> are special tokens of its tokenizer
+            a = f.arguments
+            markup += (a.parameter_begin, a.value_begin, a.parameter_end)
         return frozenset(i for i, text in tokens.items() if text and any(text in m for m in markup))
 
 
@@ -177,7 +238,8 @@ def parse_family(data: object, source: str) -> ModelFamily:
 
 
 def _tool_format(data: object, source: str) -> ToolCallFormat:
-    f = _fields(data, _TOOL_FIELDS, source, "tool_calls.")
+    f = dict(_fields(data, _TOOL_FIELDS, source, "tool_calls."))
+    arguments = _xml_arguments(f.pop("arguments"), source) if "arguments" in f else None
     for key in ("call_begin", "call_end"):
         if not f.get(key):
             raise ModelFamilyError(f"{source}: field 'tool_calls.{key}' is required and non-empty")
@@ -190,17 +252,36 @@ def _tool_format(data: object, source: str) -> ToolCallFormat:
                                      or value.index(INDEX_FIELD) < value.index(NAME_FIELD)):
             raise ModelFamilyError(f"{source}: {INDEX_FIELD} may appear once, in 'tool_calls.call_begin' after "
                                    f"{NAME_FIELD} (where the call's number goes), got {key} {value!r}")
-    if not f["call_begin"].split(NAME_FIELD, 1)[1].split(INDEX_FIELD, 1)[0]:
+    if not f["call_begin"].split(NAME_FIELD, 1)[1].split(INDEX_FIELD, 1)[0] and arguments is None:
+        # Parameter tags start with "<" or whitespace, never a name's character: they end the name themselves.
         raise ModelFamilyError(f"{source}: field 'tool_calls.call_begin' must have text after {NAME_FIELD} (it is "
                                "where the name ends)")
     if bool(f.get("block_begin")) != bool(f.get("block_end")):
         raise ModelFamilyError(f"{source}: fields 'tool_calls.block_begin' and 'tool_calls.block_end' go together: "
                                "give both or neither")
-    fmt = ToolCallFormat(**f)
+    fmt = ToolCallFormat(**f, arguments=arguments)
     if not fmt.trigger:
         raise ModelFamilyError(f"{source}: without a block, 'tool_calls.call_begin' must start with text before "
                                f"{NAME_FIELD} (it is what marks a call in free text)")
     return fmt
+
+
+def _xml_arguments(data: object, source: str) -> XmlArguments:
+    a = _fields(data, _ARGUMENT_FIELDS, source, "tool_calls.arguments.")
+    where = f"{source}: field 'tool_calls.arguments."
+    if a.get("style") not in XML_STYLES:
+        raise ModelFamilyError(f"{where}style' must be one of {', '.join(XML_STYLES)} (xgrammar's parameter-tag "
+                               f"styles), got {a.get('style')!r}")
+    begin, end = a.get("parameter_begin", ""), a.get("parameter_end", "")
+    if begin.count(KEY_FIELD) != 1 or not begin.split(KEY_FIELD, 1)[0] or not begin.split(KEY_FIELD, 1)[1]:
+        raise ModelFamilyError(f"{where}parameter_begin' must contain {KEY_FIELD} once, with text before and after "
+                               f"it, got {begin!r}")
+    if begin.count(STRING_FIELD) > 1 or STRING_FIELD in begin.split(KEY_FIELD, 1)[0]:
+        raise ModelFamilyError(f"{where}parameter_begin' may contain {STRING_FIELD} once, after {KEY_FIELD}, "
+                               f"got {begin!r}")
+    if not end:
+        raise ModelFamilyError(f"{where}parameter_end' is required and non-empty")
+    return XmlArguments(**a)
 
 
 def _fields(data: object, spec: dict[str, type], source: str, prefix: str) -> dict:

@@ -6,7 +6,10 @@ arguments under its tool's parameters schema, as compact strict JSON (the
 grammar tier's defaults for json_schema: "," and ":" separators, no free
 whitespace, no properties beyond those listed), sent as the tag's
 `json_schema` parts so that the grammar tier compiles them with structd's
-JSON grammar (grammar_svc/compile/structural_tags.py). The answer text then holds
+JSON grammar (grammar_svc/compile/structural_tags.py). A family that writes
+its arguments as parameter tags (model_family.XmlArguments) gets xgrammar's
+grammar for them instead (its `json_schema` format in the family's XML
+style), and the parser turns the tags back into one JSON object. The answer text then holds
 the calls as markup; `ToolCallParser` cuts them out of the streamed text and
 returns each one whole, so a client never sees part of the markup, and, for
 clients that stream a call's arguments as they are written (OpenAI's
@@ -21,10 +24,10 @@ import re
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from inference_svc.api.model_family import ModelFamily, ToolCallFormat
+from inference_svc.api.model_family import KEY_FIELD, STRING_FIELD, ModelFamily, ToolCallFormat, XmlArguments
 from inference_svc.types import Constraint, JsonOptions, ParsedToolCall, ToolCallDelta
 from shared.errors import InvalidGrammarError, InvalidRequestError, RequestTooLargeError
 from shared.json_nesting import check_nesting
@@ -36,6 +39,10 @@ _NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")
 # A call's index (Kimi K2's functions.NAME:0): bounded, so that a model cannot write digits forever.
 MAX_INDEX_DIGITS = 4
 INDEX_PATTERN = re.compile(f"[0-9]{{1,{MAX_INDEX_DIGITS}}}")
+# Whitespace the parameter-tag styles allow in a row between tags and around JSON values (xgrammar's
+# max_whitespace_cnt; unbounded by default): the templates write a newline or two, and a model that keeps
+# writing whitespace there would otherwise never finish its call.
+MAX_XML_WHITESPACE = 4
 # OpenAI's limit; a request-shape bound that keeps the tool grammar and the prompt's tool list sane.
 MAX_TOOLS = 128
 # Converted schemas kept (see _EbnfCache): at most this many, and this many bytes of EBNF in all.
@@ -203,7 +210,13 @@ def _structural_tag(fmt: dict) -> dict:
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec) -> dict:
-    content = _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters")
+    if fmt.arguments is None:
+        content = _json_format(tool.arguments_schema(), f"tool {tool.name!r}: parameters")
+    else:
+        schema = tool.arguments_schema()
+        _compact_json_ebnf(json.dumps(schema), f"tool {tool.name!r}: parameters")  # refuses a bad schema here
+        content = {"type": "json_schema", "json_schema": schema, "style": fmt.arguments.style,
+                   "max_whitespace_cnt": MAX_XML_WHITESPACE}
     if fmt.index_suffix is not None:
         # One tag serves every position in a list of calls, so the index is any number of up to MAX_INDEX_DIGITS.
         content = {"type": "sequence", "elements": [{"type": "regex", "pattern": INDEX_PATTERN.pattern},
@@ -361,9 +374,13 @@ class ToolCallParser:
     back as content.
     """
 
-    def __init__(self, family: ModelFamily | None, tool_names: Collection[str] | None = None):
+    def __init__(self, family: ModelFamily | None, tool_names: Collection[str] | None = None,
+                 schemas: Mapping[str, dict] | None = None):
         self._fmt = _tool_format(family)
         self._names = None if tool_names is None else frozenset(tool_names)
+        # Each tool's arguments schema: how a parameter tag's value is read (text or JSON) in an XML family.
+        self._schemas = schemas or {}
+        self._xml = None if self._fmt.arguments is None else _XmlReader(self._fmt.arguments, self._fmt.call_end)
         self._buf = ""  # text received and not yet returned
         self._in_block = False  # between calls of a block: a separator and a call, or the block's end, is next
         self._after_call = False  # whitespace here is layout until other text shows it is content
@@ -371,7 +388,7 @@ class ToolCallParser:
         self._deltas: list[ToolCallDelta] = []
         # The call being read, once its name is known: its id and how much of its arguments text has been given.
         self._open_id = ""
-        self._open_sent = 0
+        self._open_sent = 0  # characters of its arguments text given (JSON), or parameters given (XML)
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         self._buf += text
@@ -482,24 +499,20 @@ class ToolCallParser:
             if not buf.startswith(fmt.index_suffix, index_end):
                 return (more if _could_start(buf[index_end:], fmt.index_suffix) else "bad"), None, 0
             args_at = index_end + len(fmt.index_suffix)
+        if self._xml is not None:
+            return self._xml_call_at(name, args_at, final)
         rest = buf[args_at:]
         head = rest.lstrip()
         if head and not head.startswith("{"):
             return "bad", None, 0
-        if not self._open_id:
-            self._open_id = "call_" + secrets.token_hex(12)
-            self._open_sent = 0
-            self._deltas.append(ToolCallDelta(self._num_calls, self._open_id, name))
+        self._open(name)
         args_at += len(rest) - len(head)  # the arguments' text starts at their "{"
         end = buf.find(fmt.call_end, args_at)
         while end >= 0:
             arguments = _json_object(buf[args_at:end])
             if arguments is not None:
                 self._send_arguments(buf[args_at:end])
-                call = ParsedToolCall(self._open_id, name, arguments)
-                self._open_id = ""
-                self._num_calls += 1
-                return "call", call, end + len(fmt.call_end)
+                return "call", self._close(name, arguments), end + len(fmt.call_end)
             end = buf.find(fmt.call_end, end + 1)  # the marker was inside the arguments (a string): look further
         if final:
             self._open_id = ""
@@ -509,11 +522,158 @@ class ToolCallParser:
         self._send_arguments(buf[args_at:len(buf) - _held_tail(buf[args_at:], fmt.call_end)])
         return "more", None, 0
 
+    def _xml_call_at(self, name: str, args_at: int, final: bool) -> tuple[str, ParsedToolCall | None, int]:
+        """`_call_at` for arguments written as parameter tags: each parameter is given as JSON once it is closed."""
+        xml, buf = self._xml, self._buf
+        head = buf[args_at:].lstrip()
+        if head and not any(head.startswith(m) or _could_start(head, m) for m in (xml.key_prefix, xml.call_end)):
+            return "bad", None, 0
+        self._open(name)
+        params, stop = xml.parameters(buf, args_at, self._schemas.get(name))
+        for key, value in params[self._open_sent:]:
+            pair = json.dumps(key, ensure_ascii=False) + ":" + _compact(value)
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=("," if self._open_sent else "{")
+                                              + pair))
+            self._open_sent += 1
+        end = _skip_space(buf, stop)
+        if buf.startswith(xml.call_end, end):
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment="}" if params else "{}"))
+            arguments = "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _compact(v) for k, v in params) + "}"
+            return "call", self._close(name, arguments), end + len(xml.call_end)
+        if final:
+            self._open_id = ""
+            return "bad", None, 0
+        return "more", None, 0
+
+    def _open(self, name: str) -> None:
+        """The call being read has a name: its id and name are given once."""
+        if not self._open_id:
+            self._open_id = "call_" + secrets.token_hex(12)
+            self._open_sent = 0
+            self._deltas.append(ToolCallDelta(self._num_calls, self._open_id, name))
+
+    def _close(self, name: str, arguments: str) -> ParsedToolCall:
+        call = ParsedToolCall(self._open_id, name, arguments)
+        self._open_id = ""
+        self._num_calls += 1
+        return call
+
     def _send_arguments(self, text: str) -> None:
         """Gives the open call's arguments text up to the end of `text` (all of it known to be theirs)."""
         if len(text) > self._open_sent:
             self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=text[self._open_sent:]))
             self._open_sent = len(text)
+
+
+# A parameter tag's value that was meant as JSON and is not (yet): its end marker was inside it.
+_NOT_JSON = object()
+_SPACE = " \n\r\t"
+
+
+class _XmlReader:
+    """Reads a call's parameter tags (model_family.XmlArguments) back into (key, value) pairs.
+
+    xgrammar's XML styles write a value as raw text where its property's
+    schema takes a string, and as JSON otherwise (a property that takes
+    either: JSON when it parses as a type the schema takes); whitespace
+    around a value and between tags is layout (Qwen3-Coder's template puts
+    each value on its own line). A raw value ends at the first end marker
+    (xgrammar's grammar excludes the marker from raw text); a JSON value at
+    the first end marker after which it parses.
+    """
+
+    def __init__(self, fmt: XmlArguments, call_end: str):
+        self.key_prefix = fmt.key_prefix
+        self.end = fmt.parameter_end
+        self.call_end = call_end.lstrip(_SPACE)  # whitespace before it is layout
+        begin = re.escape(fmt.parameter_begin)
+        begin = begin.replace(re.escape(KEY_FIELD), r'(?P<key>[^<>"\n]+?)')
+        begin = begin.replace(re.escape(STRING_FIELD), "(?P<string>true|false)")
+        value = f"[{_SPACE}]*" + re.escape(fmt.value_begin) if fmt.value_begin else ""
+        self._begin = re.compile(begin + value)
+
+    def parameters(self, text: str, pos: int, schema: dict | None) -> tuple[list[tuple[str, object]], int]:
+        """The parameters closed in `text` from `pos`, and where the text after the last of them starts."""
+        params: list[tuple[str, object]] = []
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        while (m := self._begin.match(text, _skip_space(text, pos))) is not None:
+            key, value_at = m["key"], m.end()
+            prop = props.get(key) if isinstance(props, dict) else None
+            end = text.find(self.end, value_at)
+            while end >= 0:
+                value = _xml_value(text[value_at:end], prop, m.groupdict().get("string"))
+                if value is not _NOT_JSON:
+                    break
+                end = text.find(self.end, end + 1)
+            if end < 0:
+                break
+            params.append((key, value))
+            pos = end + len(self.end)
+        return params, pos
+
+
+def _xml_value(text: str, schema: object, string: str | None) -> object:
+    """A parameter tag's value: raw text or JSON, as its property's schema (or DeepSeek's string=) says."""
+    stripped = text.strip(_SPACE)
+    types = _json_types(schema)
+    if string == "true" or (string is None and types == {"string"}):
+        return stripped
+    try:
+        value = json.loads(stripped, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # the model's text: not JSON (raw text, or cut by an end marker inside it)
+        return stripped if string is None and (types is None or "string" in types) else _NOT_JSON
+    if string == "false":
+        return value
+    kind = _json_type(value)
+    if types is None:  # a property without a type: raw text, or a JSON array or object (xgrammar's xml_any)
+        return value if kind in ("array", "object") else stripped
+    if kind in types or (kind == "integer" and "number" in types):
+        return value if kind != "string" else stripped
+    return stripped if "string" in types else _NOT_JSON
+
+
+def _json_types(schema: object) -> set[str] | None:
+    """The JSON types `schema` admits, or None where it does not say."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list):
+        return {_json_type(v) for v in schema["enum"]}
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            branches = [_json_types(b) for b in schema[key]]
+            return None if any(b is None for b in branches) else set().union(*branches)
+    return None
+
+
+def _json_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if value is None:
+        return "null"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _SPACE:
+        pos += 1
+    return pos
 
 
 def _could_start(text: str, marker: str) -> bool:
