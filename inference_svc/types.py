@@ -24,6 +24,8 @@ from typing import Protocol
 
 KINDS = ("json_schema", "regex", "ebnf", "choice", "json_object", "structural_tag")
 WHITESPACE_STYLES = ("compact", "flexible", "indented")
+# Grammar libraries a constraint may ask for (Constraint.backend).
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "llguidance")
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,15 @@ class Constraint:
     json_options: JsonOptions = JsonOptions()  # kinds json_schema and json_object
     # json_schema: refuse a schema whose keywords the grammar does not all enforce (compile warnings).
     strict_schema: bool = False
+    # The grammar library asked for (one of GRAMMAR_BACKENDS; "": the grammar replica's --grammar-backend).
+    # Part of the constraint's identity: the compile memo keys on it.
+    backend: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown constraint kind {self.kind!r}")
+        if self.backend and self.backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"unknown grammar backend {self.backend!r}")
 
 
 # ---------------------------------------------------------------- what a client is told about its schema

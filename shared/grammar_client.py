@@ -103,12 +103,15 @@ class GrammarClient:
             timeout=timeout)
 
     async def compile(self, fingerprint: str, spec: pb.GrammarSpec, timeout_seconds: float = 0.0,
-                      rpc_timeout: float | None = None, end_client: str = "") -> pb.CompileResponse:
+                      rpc_timeout: float | None = None, end_client: str = "",
+                      backend: int = pb.GRAMMAR_BACKEND_UNSPECIFIED) -> pb.CompileResponse:
         """end_client: who the compile is for (client_identity.END_CLIENT_METADATA), counted apart by the
-        replica's per-caller limit when this client presents a certificate."""
+        replica's per-caller limit when this client presents a certificate. backend: the grammar library
+        (unspecified: the replica's --grammar-backend)."""
         metadata = ((END_CLIENT_METADATA, end_client),) if end_client else None
         return await self.stub.Compile(
-            pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds),
+            pb.CompileRequest(tokenizer_fingerprint=fingerprint, spec=spec, timeout_seconds=timeout_seconds,
+                              backend=backend),
             timeout=rpc_timeout, metadata=metadata)
 
     async def check_output(self, grammar_id: str, token_ids: Sequence[int],

@@ -224,6 +224,7 @@ class RequestOptions(TypedDict, total=False):
     parallel_tool_calls: bool | None
     request_id: str
     strict_schema: bool
+    grammar_backend: str
     n: int
 
 
@@ -231,6 +232,8 @@ class RequestOptions(TypedDict, total=False):
 Prompt = str | Sequence[dict[str, Any]] | Sequence[int]
 _WHITESPACE = {"compact": pb.JSON_WHITESPACE_COMPACT, "flexible": pb.JSON_WHITESPACE_FLEXIBLE,
                "indented": pb.JSON_WHITESPACE_INDENTED}
+_GRAMMAR_BACKEND = {"auto": pb.GRAMMAR_BACKEND_AUTO, "xgrammar": pb.GRAMMAR_BACKEND_XGRAMMAR,
+                    "llguidance": pb.GRAMMAR_BACKEND_LLGUIDANCE}
 _TOOL_CHOICE = {"auto": pb.TOOL_CHOICE_MODE_AUTO, "required": pb.TOOL_CHOICE_MODE_REQUIRED,
                 "none": pb.TOOL_CHOICE_MODE_NONE}
 
@@ -269,6 +272,7 @@ def build_request(prompt: Prompt, *,
                   parallel_tool_calls: bool | None = None,
                   request_id: str = "",
                   strict_schema: bool = False,
+                  grammar_backend: str = "",
                   n: int = 1) -> pb.GenerateRequest:
     """The GenerateRequest for these arguments.
 
@@ -295,6 +299,9 @@ def build_request(prompt: Prompt, *,
     parallel_tool_calls False: one tool call at most (None: any number).
     strict_schema (json_schema only): refuse a schema with keywords the grammar
     does not enforce (INVALID_ARGUMENT naming each) instead of generating.
+    grammar_backend (with a constraint): "auto", "xgrammar" or "llguidance",
+    the library serving the grammar ("" = the grammar replica's
+    --grammar-backend).
     n: completions of the prompt (0 = 1; the server refuses more than its
     --max-n), each with its own seed (seed + its index when seed is given).
     """
@@ -335,6 +342,10 @@ def build_request(prompt: Prompt, *,
             pb.Constraint(**{given[0]: kinds[given[0]]}, disable_jump_forward=disable_jump_forward))
     if strict_schema:
         request.constraint.strict_schema = True
+    if grammar_backend:
+        if grammar_backend not in _GRAMMAR_BACKEND:
+            raise ValueError(f"grammar_backend must be one of {', '.join(_GRAMMAR_BACKEND)}, got {grammar_backend!r}")
+        request.constraint.backend = _GRAMMAR_BACKEND[grammar_backend]
     if json_options is not None:
         o = dict(json_options)
         whitespace = o.pop("whitespace", "compact")

@@ -146,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str] | None = 
                              "bounds K)")
     parser.add_argument("--strict-schema", action="store_true",
                         help="with --json-schema: refuse a schema with keywords the grammar does not enforce")
+    parser.add_argument("--grammar-backend", choices=("auto", "xgrammar", "llguidance"), default=None,
+                        help="the library serving the constraint's grammar (default: the grammar replica's "
+                             "--grammar-backend)")
     parser.add_argument("--no-jump-forward", dest="disable_jump_forward", action="store_true",
                         help="sample every token, even where the grammar allows only one")
     parser.add_argument("--chat", action="store_true",
@@ -202,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
     if args.strict_schema and args.json_schema is None:
         print("error: --strict-schema needs --json-schema", file=sys.stderr)
         return 2
+    if args.grammar_backend and not constraint:
+        print("error: --grammar-backend needs a constraint (--json-schema, --regex, ...)", file=sys.stderr)
+        return 2
     if args.chat_template_kwargs is not None and not args.chat:
         print("error: --chat-template-kwargs needs --chat (a raw prompt has no chat template)", file=sys.stderr)
         return 2
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         logit_bias=dict(args.logit_bias or ()), min_p=args.min_p, stop_token_ids=args.stop_token_ids or (),
         include_stop_str_in_output=args.include_stop_str_in_output,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, strict_schema=args.strict_schema,
-        n=args.n, chat_template_kwargs=args.chat_template_kwargs,
+        grammar_backend=args.grammar_backend or "", n=args.n, chat_template_kwargs=args.chat_template_kwargs,
     )
     try:
         with InferenceClient(args.target, tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,

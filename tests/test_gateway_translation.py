@@ -119,6 +119,10 @@ def test_sampling_parameters(body, field, value):
     pytest.param({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}},
                  "structured_outputs.whitespace_pattern", id="whitespace_pattern"),
     pytest.param({"structured_outputs": {"jsn": SCHEMA}}, "structured_outputs.jsn", id="unknown-key"),
+    pytest.param({"structured_outputs": {"regex": "a", "backend": "outlines"}}, "structured_outputs.backend",
+                 id="backend-unknown"),
+    pytest.param({"structured_outputs": {"backend": "xgrammar"}}, "structured_outputs.backend",
+                 id="backend-without-constraint"),
     pytest.param({"structured_outputs": {"json": SCHEMA, "max_whitespace_count": 99}},
                  "structured_outputs.max_whitespace_count", id="max_whitespace_count-range"),
     pytest.param({"tools": [{"type": "retrieval"}]}, "tools[0].type", id="tool-type"),
@@ -222,6 +226,10 @@ def test_json_schema_is_always_decoded_strictly(response_format):
     pytest.param({"response_format": {"type": "json_object"}, "structured_outputs": {"whitespace": "flexible"}},
                  lambda c: c.json_object and c.json_options.whitespace == pb.JSON_WHITESPACE_FLEXIBLE,
                  id="options-with-response_format"),
+    pytest.param({"structured_outputs": {"regex": "a", "backend": "llguidance"}},
+                 lambda c: c.backend == pb.GRAMMAR_BACKEND_LLGUIDANCE, id="backend"),
+    pytest.param({"response_format": {"type": "json_object"}, "structured_outputs": {"backend": "guidance"}},
+                 lambda c: c.json_object and c.backend == pb.GRAMMAR_BACKEND_LLGUIDANCE, id="backend-vllm-name"),
 ])
 def test_constraints(body, check):
     t = chat(**body)

@@ -11,12 +11,15 @@
   grammar_svc_backend_choices_total counts each choice.
 - A grammar replica on --grammar-backend llguidance serves constrained requests end to end through the
   inference service: the outputs are valid and checked.
+- Constraint.backend (a request's choice) overrides that replica's flag and reaches its Compile; the
+  inference service's compile memo keeps the two backends' grammars apart; tools with llguidance are refused.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
 import grpc
 import numpy as np
@@ -268,7 +271,30 @@ def test_inference_through_an_llguidance_replica(llguidance_stack, options):
             assert 3 <= len(values) <= 6 and all(0 <= v <= 9 for v in values)
             assert out.schema_check == "valid"
         else:
-            import re
-
             assert re.fullmatch(options["regex"], out.text), out.text
     assert choices(grammar, "llguidance", "configured") > before
+
+
+def test_a_request_chooses_its_backend_and_the_memo_keeps_them_apart(llguidance_stack):
+    """Constraint.backend overrides the replica's --grammar-backend and reaches its Compile; the inference
+    service's compile memo keys on it: the same regex asked of each backend compiles once per backend."""
+    from shared.inference_client import InferenceClient, InferenceError
+
+    srv, grammar = llguidance_stack
+    pattern = f"{salt()[:6]}[a-c]{{2,4}}"
+    asked = {"xgrammar": ("xgrammar", "requested"), "llguidance": ("llguidance", "requested")}
+    before = {name: choices(grammar, *labels) for name, labels in asked.items()}
+    with InferenceClient(srv.target) as client:
+        for backend in ("xgrammar", "xgrammar", "llguidance", "llguidance"):
+            out = client.complete("go", max_tokens=32, temperature=1.0, seed=7, timeout=120, regex=pattern,
+                                  grammar_backend=backend)
+            assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+        # A tool-call grammar is a structural tag, which llguidance does not serve: refused before any compile.
+        with pytest.raises(InferenceError) as info:
+            client.complete([{"role": "user", "content": "go"}], max_tokens=8, timeout=120,
+                            grammar_backend="llguidance", json_schema=DIGITS,
+                            tools=[{"name": "f", "parameters": {"type": "object"}}])
+    # One Compile per backend: the second request of each was answered from the memo.
+    assert {name: choices(grammar, *labels) - before[name] for name, labels in asked.items()} == {
+        "xgrammar": 1, "llguidance": 1}
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tools" in info.value.message

@@ -36,6 +36,9 @@ KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar":
 JSON_OPTIONS = ("whitespace", "max_whitespace_count", "indent", "lenient", "any_key_order", "disable_any_whitespace")
 WHITESPACE = {"compact": pb.JSON_WHITESPACE_COMPACT, "flexible": pb.JSON_WHITESPACE_FLEXIBLE,
               "indented": pb.JSON_WHITESPACE_INDENTED}
+# structured_outputs.backend (structd's): the grammar library; "guidance" is vLLM's name for llguidance.
+GRAMMAR_BACKENDS = {"auto": pb.GRAMMAR_BACKEND_AUTO, "xgrammar": pb.GRAMMAR_BACKEND_XGRAMMAR,
+                    "llguidance": pb.GRAMMAR_BACKEND_LLGUIDANCE, "guidance": pb.GRAMMAR_BACKEND_LLGUIDANCE}
 # vLLM options that do not apply to structd's backend: accepted and ignored.
 IGNORED_STRUCTURED_OUTPUTS = ("disable_fallback", "disable_additional_properties")
 
@@ -248,7 +251,7 @@ def constraint(body: Fields) -> pb.Constraint | None:
             raise so.fail("whitespace_pattern", "'structured_outputs.whitespace_pattern' is not supported: use "
                                                 "'whitespace' (compact, flexible or indented) and "
                                                 "'max_whitespace_count'.")
-        known = {*KINDS, *JSON_OPTIONS, *IGNORED_STRUCTURED_OUTPUTS, "disable_jump_forward", "strict_schema"}
+        known = {*KINDS, *JSON_OPTIONS, *IGNORED_STRUCTURED_OUTPUTS, "disable_jump_forward", "strict_schema", "backend"}
         unknown = so.unknown(known)
         if unknown:
             raise so.fail(unknown[0], f"Unknown field '{so.name(unknown[0])}'; structured_outputs takes "
@@ -267,6 +270,13 @@ def constraint(body: Fields) -> pb.Constraint | None:
         if c.strict_schema and c.WhichOneof("kind") != "json_schema":
             raise so.fail("strict_schema", "'structured_outputs.strict_schema' applies to a JSON Schema "
                                            "(structured_outputs.json or response_format json_schema) only.")
+        backend = so.string("backend")
+        if backend is not None:
+            if backend not in GRAMMAR_BACKENDS:
+                raise so.fail("backend", f"'structured_outputs.backend' must be one of {', '.join(GRAMMAR_BACKENDS)}.")
+            if c.WhichOneof("kind") is None:
+                raise so.fail("backend", "'structured_outputs.backend' needs a constraint.")
+            c.backend = GRAMMAR_BACKENDS[backend]
     return c if c.WhichOneof("kind") is not None else None
 
 

@@ -189,7 +189,8 @@ class Frontend:
         choice = r.tool_choice or ToolChoice("auto")
         validate_tools(r.tools, choice)
         tag = tool_call_structural_tag(family, r.tools, choice, r.constraint, parallel=r.parallel_tool_calls)
-        constraint = r.constraint if tag is None else Constraint("structural_tag", json.dumps(tag))
+        constraint = r.constraint if tag is None else Constraint(
+            "structural_tag", json.dumps(tag), backend=r.constraint.backend if r.constraint else "")
         if choice.mode == "none":
             return constraint, None
         callable_tools = choice.callable_tools(r.tools)

@@ -38,6 +38,12 @@ _TOOL_CHOICE = {
     pb.TOOL_CHOICE_MODE_NAMED: "named",
 }
 _JSON_KINDS = ("json_schema", "json_object")
+_BACKEND = {
+    pb.GRAMMAR_BACKEND_UNSPECIFIED: "",
+    pb.GRAMMAR_BACKEND_AUTO: "auto",
+    pb.GRAMMAR_BACKEND_XGRAMMAR: "xgrammar",
+    pb.GRAMMAR_BACKEND_LLGUIDANCE: "llguidance",
+}
 _SCHEMA_CHECK = {
     CheckResult.VALID: pb.SCHEMA_CHECK_VALID,
     CheckResult.INVALID: pb.SCHEMA_CHECK_INVALID,
@@ -54,21 +60,26 @@ def constraint(c: pb.Constraint) -> Constraint | None:
     if c.strict_schema and kind != "json_schema":
         raise errors.InvalidRequestError(
             f"constraint.strict_schema applies to json_schema only, not to {kind or 'no constraint'}")
+    if c.backend not in _BACKEND:
+        raise errors.InvalidRequestError(f"constraint.backend: unknown value {c.backend}")
+    backend = _BACKEND[c.backend]
     if kind is None:
+        if backend:
+            raise errors.InvalidRequestError("constraint.backend needs a constraint (json_schema, regex, ...)")
         return None
     if kind in ("json_schema", "regex", "ebnf", "structural_tag") and not getattr(c, kind).strip():
         raise errors.InvalidRequestError(f"constraint.{kind} is empty")
     if kind == "choice":
         if not c.choice.choices:
             raise errors.InvalidRequestError("constraint.choice needs at least one choice")
-        return Constraint("choice", choices=tuple(c.choice.choices))
+        return Constraint("choice", choices=tuple(c.choice.choices), backend=backend)
     options = json_options(c.json_options)
     if kind == "json_object":
         # json_object=false asks for nothing.
-        return Constraint("json_object", json_options=options) if c.json_object else None
+        return Constraint("json_object", json_options=options, backend=backend) if c.json_object else None
     if kind == "json_schema":
-        return Constraint(kind, c.json_schema, json_options=options, strict_schema=c.strict_schema)
-    return Constraint(kind, getattr(c, kind))
+        return Constraint(kind, c.json_schema, json_options=options, strict_schema=c.strict_schema, backend=backend)
+    return Constraint(kind, getattr(c, kind), backend=backend)
 
 
 def json_options(o: pb.JsonOptions) -> JsonOptions:
@@ -114,6 +125,10 @@ def client_request(request: pb.GenerateRequest, config: EngineConfig, max_model_
         raise errors.InvalidRequestError(
             "constraint.strict_schema cannot be combined with tools: the constraint then becomes part of the "
             "tool-call grammar, which is not checked keyword by keyword")
+    if request.tools and request.constraint.backend == pb.GRAMMAR_BACKEND_LLGUIDANCE:
+        raise errors.InvalidRequestError(
+            "constraint.backend GRAMMAR_BACKEND_LLGUIDANCE cannot serve tools: their grammar is a structural tag, "
+            "which only xgrammar compiles; drop the backend (or ask for auto or xgrammar)")
     return ClientRequest(
         options=sampling_options(request.sampling, config, max_model_len),
         constraint=constraint(request.constraint),

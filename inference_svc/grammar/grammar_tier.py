@@ -28,7 +28,7 @@ re-resolved periodically; addresses that leave DNS are dropped.
 
 What a replica answered to a Compile is remembered per replica (constraint ->
 grammar id and warnings, `COMPILED_MEMO_ENTRIES`): the next request with the
-same constraint placed there opens its session at once, without the RPC (the
+same constraint (its grammar backend included) placed there opens its session at once, without the RPC (the
 RPC and its task were a visible share of the inference process's CPU at a
 high rate of new requests: docs/benchmarks.md, "Host path, second round",
 item 2). The memo is dropped whenever the replica may have lost
@@ -268,6 +268,14 @@ def strict_refusal(warnings: tuple[SchemaWarning, ...]) -> errors.InvalidGrammar
         "checked and its violations returned)")
 
 
+_BACKEND = {
+    "": gpb.GRAMMAR_BACKEND_UNSPECIFIED,
+    "auto": gpb.GRAMMAR_BACKEND_AUTO,
+    "xgrammar": gpb.GRAMMAR_BACKEND_XGRAMMAR,
+    "llguidance": gpb.GRAMMAR_BACKEND_LLGUIDANCE,
+}
+
+
 def grammar_spec(c: Constraint) -> gpb.GrammarSpec:
     """The grammar tier's spec for a request's constraint."""
     if c.kind == "json_schema":
@@ -489,7 +497,8 @@ class GrammarTier:
         # DEADLINE_EXCEEDED answer for a compile that outlived its own timeout) is what a hung replica yields.
         resp = await asyncio.wait_for(
             r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint), self.compile_timeout_seconds,
-                             rpc_timeout=seconds + 1.0, end_client=end_client), seconds)
+                             rpc_timeout=seconds + 1.0, end_client=end_client, backend=_BACKEND[constraint.backend]),
+            seconds)
         for w in resp.warnings:
             log.info("grammar %s: %s", resp.grammar_id[:12], w)
         warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
@@ -522,7 +531,8 @@ class GrammarTier:
             try:
                 # Evicted (or never compiled on this replica): the same grammar id again, usually at once.
                 await r.client.compile(self.tokenizer.fingerprint, grammar_spec(constraint),
-                                       self.compile_timeout_seconds, rpc_timeout=max(0.001, deadline - time.monotonic()))
+                                       self.compile_timeout_seconds, rpc_timeout=max(0.001, deadline - time.monotonic()),
+                                       backend=_BACKEND[constraint.backend])
             except grpc.aio.AioRpcError as e:  # the replica's, or the deadline's
                 return SchemaCheck(CheckResult.UNCHECKED, detail=(
                     f"grammar replica {r.client.target} could not recompile the grammar to check it: "
