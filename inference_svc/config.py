@@ -9,6 +9,7 @@ from pathlib import Path
 
 from inference_svc.api.model_family import bundled_names
 from inference_svc.model.model_loading import DTYPES, reference_problem
+from inference_svc.model.paged_kernel import BACKENDS as ATTENTION_BACKENDS
 from shared.flags import FlagSet
 from shared.tls import (ClientTls, ServerTls, add_client_flags, add_server_flags, client_tls_from_args,
                         server_tls_from_args)
@@ -101,6 +102,8 @@ class InferenceServiceConfig:
     # float32 (faster there from a few rows on, a little slower at 1-2: docs/benchmarks.md, "The LM head's
     # kernel"; one more copy of the head in memory), F.linear elsewhere; plain: F.linear.
     lm_head_kernel: str = "auto"
+    # Decode and extend attention (attention.py): auto = Triton's paged kernel on CUDA, SDPA elsewhere.
+    attention_backend: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     # A Jinja chat template file that replaces the model's own (None: the tokenizer's template).
     chat_template: Path | None = None
@@ -141,6 +144,8 @@ class InferenceServiceConfig:
             problems.append(f"--engine-process {self.engine_process}: use {', '.join(ENGINE_PROCESS_CHOICES)}")
         if self.lm_head_kernel not in LM_HEAD_KERNEL_CHOICES:
             problems.append(f"--lm-head-kernel {self.lm_head_kernel}: use {', '.join(LM_HEAD_KERNEL_CHOICES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            problems.append(f"--attention-backend {self.attention_backend}: use {', '.join(ATTENTION_BACKENDS)}")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"--compile {self.compile}: use {', '.join(COMPILE_CHOICES)}")
         elif self.compile not in ("auto", "off") and self.tp > 1:
@@ -285,6 +290,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--lm-head-kernel", d.lm_head_kernel,
           "auto: on the CPU in float32 the LM head runs through oneDNN over a copy of its weight reordered at "
           "start-up (faster; one more copy of the head in memory), elsewhere F.linear; plain: always F.linear")
+    f.add("--attention-backend", d.attention_backend,
+          "decode and extend attention: triton reads keys and values in place from the KV blocks (Triton's "
+          "paged kernel, CUDA only), sdpa gathers them into a padded copy for torch's SDPA (the reference); "
+          "auto: triton on CUDA when triton imports, else sdpa. A fresh prefill always runs on SDPA")
     f.add("--engine-process", d.engine_process,
           "on: the engine (model, grammar tier streams, step loop, sampling, detokenization, metrics) runs in a "
           "core process of its own and this one serves gRPC, chat templates and tools, so the clients' streams "
@@ -342,6 +351,7 @@ def from_args(args: argparse.Namespace) -> InferenceServiceConfig:
         simulate_step_ms=args.simulate_step_ms,
         engine_process=args.engine_process,
         lm_head_kernel=args.lm_head_kernel,
+        attention_backend=args.attention_backend,
         engine=EngineConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -121,6 +121,11 @@ BENCHMARKS = [
      "step-context: host time to build a step's inputs and attention context, old builder vs current",
      "The builder of --old-rev (loaded from git) and the working tree's on the same batches, alternating call by "
      "call in one process: medians in microseconds and new/old ratios."),
+    ("attention", "structd.bench.attention",
+     "attention: one layer's decode attention, SDPA's padded gather vs Triton's paged kernel, interleaved",
+     "Decode batches of 1 to 64 at 512 to 8k cached tokens over shuffled KV blocks: per backend the step's "
+     "attention context built and one layer's attention run, alternating rep by rep in one process: medians in "
+     "microseconds and triton/sdpa ratios. Triton needs CUDA; on a CPU only SDPA is timed."),
     ("sampler", "structd.bench.sampler",
      "sampler: host time of one step's sampling on the CPU, old sampler vs current",
      "The sampler of --old-rev (loaded from git) and the working tree's on the same steps, greedy (unconstrained, "

@@ -56,7 +56,7 @@ def test_cpu_smoke_runs_every_phase_and_every_step_succeeds(smoke):
     for step in record["steps"]:
         assert step["status"] == "ok", step
     kinds = {s["kind"] for s in record["steps"]}
-    assert kinds == {"versions", "pytest", "build", "e2e", "peer", "grammar"}
+    assert kinds == {"versions", "pytest", "build", "e2e", "peer", "grammar", "attention"}
     assert record["environment"]["versions"]["torch"] and record["environment"]["import_failures"] == {}
 
 
@@ -81,6 +81,8 @@ def test_cpu_smoke_summarises_each_bench_it_ran(smoke):
             assert summary["rows"] and all(r["rtt_p50_seconds"] > 0 for r in summary["rows"])
         elif step["kind"] == "build":
             assert summary["vocab_size"] == 129_280 and summary["weight_bytes"] > 0
+        elif step["kind"] == "attention":
+            assert summary["rows"] and all(r["sdpa_attention_us"] > 0 for r in summary["rows"]), summary
 
 
 def test_cpu_smoke_writes_the_markdown_png_and_results(smoke):
@@ -118,6 +120,8 @@ def test_gpu_plan_covers_the_issue():
     grammar = [s for s in steps if s.kind == "grammar"]
     assert [s.argv[s.argv.index("--fill-threads") + 1] for s in grammar] == ["1", "4", "8"]
     assert all(s.argv[s.argv.index("--batch-sizes") + 1] == "32,128,256" for s in grammar)
+    attention = steps[names.index("attention")]
+    assert attention.argv[attention.argv.index("--device") + 1] == "cuda" and "--batches" not in attention.argv
     assert sum(s.budget for s in steps) <= 480
     assert steps[1].env == {"CUDA_LAUNCH_BLOCKING": "1"}
 

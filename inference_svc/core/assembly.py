@@ -25,6 +25,7 @@ from inference_svc.engine.engine import Engine, TokenizerView
 from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelSource, resolve_model
+from inference_svc.model.paged_kernel import resolve_backend
 from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, agree_on_least, init_group
 
 if TYPE_CHECKING:
@@ -107,11 +108,13 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
                                  block_size=config.block_size, prefix_caching=config.engine.prefix_caching)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
+    attention, why = resolve_backend(config.attention_backend, next(model.parameters()).device)
+    log.info("attention: %s (%s)", attention, why)
     runner = PagedModelRunner.create(model, block_size=config.block_size,
                                      kv_cache_bytes=kv_cache_bytes(config, model, rank),
                                      tp_size=config.tp, packed_head=config.lm_head_kernel == "auto",
                                      greedy_screen=config.engine.greedy_head and config.engine.sparse_head,
-                                     prefix_caching=config.engine.prefix_caching)
+                                     prefix_caching=config.engine.prefix_caching, attention_backend=attention)
     if (mode := config.compile_mode(device)) != "off":
         from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, default_compile_cache_dir
 

@@ -14,11 +14,13 @@ transformers builds no attention mask for an implementation registered in
 packed step costs no [tokens x tokens] mask; causality and sequence
 boundaries come from the context instead.
 
-The computation is torch SDPA: all single-token decodes of a step in one
-padded call (a key-padding mask hides the padding), every prefill chunk or
-multi-token extend in its own call (causal, offset by what is already
-cached). On a GPU this is the place for a varlen/paged kernel reading the
-same block tables; the context already carries them.
+Two backends (--attention-backend). SDPA, the reference and the CPU's: all
+single-token decodes of a step in one padded call (a key-padding mask hides
+the padding), every prefill chunk or multi-token extend in its own call
+(causal, offset by what is already cached). Triton's paged kernel
+(paged_kernel.py), the CUDA default: decodes and chunks over cached context
+read K/V in place from the blocks, with no padded gather and no host-built
+slot or mask tensors; a fresh prefill still goes to SDPA.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference_svc.model.paged_kernel import paged_attention
 from inference_svc.model.paged_kv import PagedKVCache
 
 ATTN_IMPLEMENTATION = "structd_paged"
@@ -56,6 +59,15 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
+class KernelPlan:
+    """The tokens Triton's paged kernel attends: decodes and chunks over cached context."""
+
+    token_index: torch.Tensor  # [K] their indices in the packed row
+    seq_index: torch.Tensor  # [K] their sequences' rows of block_tables
+    positions: torch.Tensor  # [K] their positions (each attends to 0..its own)
+
+
+@dataclass(frozen=True)
 class PagedAttentionContext:
     """Everything the attention layers need for one step, built once and shared by all layers.
 
@@ -73,6 +85,7 @@ class PagedAttentionContext:
     chunks: tuple[ChunkPlan, ...]
 
     positions: torch.Tensor  # [num_tokens] each new token's position in its sequence (the model's position_ids)
+    kernel: KernelPlan | None = None  # paged_kernel: what the kernel attends (decodes and chunks are SDPA's rest)
 
     @classmethod
     def build(
@@ -82,9 +95,11 @@ class PagedAttentionContext:
         context_lens: Sequence[int],
         block_tables: torch.Tensor,
         device: torch.device,
+        paged_kernel: bool = False,
     ) -> "PagedAttentionContext":
         """Context for sequences packed in order, sequence i with query_lens[i] new tokens after
-        context_lens[i] cached ones, its blocks in row i of block_tables (int64, padded with -1).
+        context_lens[i] cached ones, its blocks in row i of block_tables (int64, padded with -1);
+        paged_kernel: every token but those of fresh prefills goes to Triton's kernel.
 
         Per-token indices come from tensor ops over the whole step (a token's sequence by
         repeat_interleave, its position and slot by gather); Python loops only over the
@@ -100,6 +115,7 @@ class PagedAttentionContext:
         if len(decode_ids) == num_seqs:
             # All decodes (the common step): one token per sequence, at its context length.
             positions = ctx_lens
+            seq_of = torch.arange(num_seqs)
             slot_mapping = block_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
         else:
             # Per token: its sequence, and its position = context_len + offset within the sequence's chunk.
@@ -107,6 +123,14 @@ class PagedAttentionContext:
             positions = torch.arange(seq_of.shape[0]) + (ctx_lens + q_lens - ends)[seq_of]
             slot_mapping = block_tables[seq_of, positions // bs] * bs + positions % bs
         query_start_loc = torch.cat((ends.new_zeros(1), ends))
+
+        kernel = None
+        if paged_kernel:
+            fresh = torch.tensor([n > 1 and cached == 0 for n, cached in zip(query_lens, context_lens)])
+            index = (~fresh[seq_of]).nonzero()[:, 0]
+            if len(index):
+                kernel = KernelPlan(index.to(device), seq_of[index].to(device), positions[index].to(device))
+            decode_ids = []  # the kernel has them
 
         decodes = None
         if decode_ids:
@@ -130,7 +154,7 @@ class PagedAttentionContext:
         for i, (n, cached) in enumerate(zip(query_lens, context_lens)):
             if n > 1 and cached == 0:
                 chunks.append(ChunkPlan(q_start, q_start + n, None, None))
-            elif n > 1:
+            elif n > 1 and not paged_kernel:
                 seq_len = cached + n
                 pos = torch.arange(seq_len)
                 mask = pos[None, :] <= pos[cached:, None]
@@ -147,6 +171,7 @@ class PagedAttentionContext:
             decodes=decodes,
             chunks=tuple(chunks),
             positions=positions.to(device),
+            kernel=kernel,
         )
 
 
@@ -182,6 +207,12 @@ def paged_attention_forward(
     cache.write(module.layer_idx, ctx.slot_mapping, k_new, v_new)
     k_all, v_all = cache.flat(module.layer_idx)
     out = query.new_empty(num_tokens, num_heads, head_dim)
+
+    if ctx.kernel is not None:
+        kp = ctx.kernel
+        out[kp.token_index] = paged_attention(
+            q.transpose(0, 1).index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index,
+            kp.positions, cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5)
 
     if ctx.decodes is not None:
         d = ctx.decodes

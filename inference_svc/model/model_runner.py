@@ -115,13 +115,15 @@ class PagedModelRunner:
     """
 
     def __init__(self, model, kv_cache: PagedKVCache, *, own_head: bool = True, packed_head: bool = True,
-                 greedy_screen: bool = True):
+                 greedy_screen: bool = True, attention_backend: str = "sdpa"):
         """own_head=False: the model's forward computes its LM head (a tensor-parallel model's head is
         sharded, its output gathered by the layer's own hooks), and there is no sparse head; packed_head=False:
         the head never uses the oneDNN-packed kernel (--lm-head-kernel plain); greedy_screen=False: no
-        bfloat16 screen of the head (--greedy-head off)."""
+        bfloat16 screen of the head (--greedy-head off); attention_backend "triton": decodes and extends
+        attend through Triton's paged kernel (attention.py; resolved from --attention-backend by the caller)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
         model.set_attn_implementation(register())
         model.eval()
         self._device = next(model.parameters()).device
@@ -149,6 +151,7 @@ class PagedModelRunner:
         packed_head: bool = True,
         greedy_screen: bool = True,
         prefix_caching: bool = False,
+        attention_backend: str = "sdpa",
     ) -> "PagedModelRunner":
         """A runner with a KV cache of num_blocks blocks, or as many as fit in kv_cache_bytes (per rank:
         under tensor parallelism each rank caches its own share of the KV heads); prefix_caching: full
@@ -157,7 +160,7 @@ class PagedModelRunner:
         spec = KVCacheSpec.from_model_config(model.config, kv_dtype or param.dtype, block_size, tp_size)
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
         return cls(model, PagedKVCache(spec, blocks, param.device, prefix_caching=prefix_caching), own_head=tp_size == 1, packed_head=packed_head,
-                   greedy_screen=greedy_screen)
+                   greedy_screen=greedy_screen, attention_backend=attention_backend)
 
     @property
     def vocab_size(self) -> int:
@@ -224,7 +227,7 @@ class PagedModelRunner:
         chunks = batch.chunks
         query_lens = [len(c.token_ids) for c in chunks]
         ctx = PagedAttentionContext.build(self.kv_cache, query_lens, [c.start_pos for c in chunks], tables,
-                                          self._device)
+                                          self._device, paged_kernel=self.attention_backend == "triton")
         # chain/accumulate run per token and per sequence in C, not in a Python loop.
         input_ids = torch.tensor([list(chain.from_iterable(c.token_ids for c in chunks))], dtype=torch.long,
                                  device=self._device)

@@ -34,7 +34,7 @@ class Step:
     argv: list[str]
     budget: float  # seconds of the run's budget this step may use (plus what earlier steps left)
     env: dict[str, str] = field(default_factory=dict)
-    kind: str = "command"  # versions, pytest, build, e2e, peer, grammar: how its output is summarised
+    kind: str = "command"  # versions, pytest, build, e2e, peer, grammar, attention: how its output is summarised
     needs: str | None = None  # a step that must have succeeded first (a model build)
     skip: str | None = None  # why the step is not run here (set before the run)
     label: str = ""
@@ -50,10 +50,12 @@ class Phase:
 PHASES = (
     Phase("setup", "Versions", "the carried wheels import; torch, transformers, triton, xgrammar and the device"),
     Phase("correctness", "Correctness on CUDA",
-          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py, tests/test_batched_sampling.py): "
-          "CUDA vs CPU reference, compiled body vs eager, sparse vs full head, logprobs and min_tokens, the KV cache "
-          "sized from the device, the batched sampler, the engine-core process end to end"),
+          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py, tests/test_batched_sampling.py, "
+          "tests/test_paged_kernel.py): CUDA vs CPU reference, compiled body vs eager, sparse vs full head, logprobs "
+          "and min_tokens, the KV cache sized from the device, the batched sampler, Triton's paged attention kernel "
+          "vs SDPA, the engine-core process end to end"),
     Phase("realistic", "Realistic shapes",
+          "one layer's decode attention, SDPA vs Triton's paged kernel (`structd bench attention`); "
           "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
           "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas; transformers + xgrammar on "
           "the same GPU and shape (scripts/device/hf_peer.py) at 1 and 32"),
@@ -110,7 +112,7 @@ GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency=
             grammar_batches="32,128,256", grammar_steps=100, grammar_limit=32, fill_threads=(1, 4, 8),
             budgets={"versions": 20, "pytest": 110, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
                      "e2e-0.5b-eager": 25, "peer-0.5b": 12, "build-8b": 35, "e2e-8b-eager-g1": 40,
-                     "e2e-8b-eager": 30, "peer-8b": 18, "e2e-0.5b-compiled": 30, "e2e-8b-compiled": 0,
+                     "e2e-8b-eager": 15, "peer-8b": 18, "attention": 15, "e2e-0.5b-compiled": 30, "e2e-8b-compiled": 0,
                      "e2e-sim": 28, "grammar": 16})
 SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas=(1,),
               max_tokens=4, requests=2, waves=1, peer_concurrency="2", compiled={}, sims="sim2", sim_concurrency="2",
@@ -140,7 +142,8 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
 
     add("setup", "versions", [*python(), str(repo / "scripts" / "device" / "versions.py")], kind="versions")
     add("correctness", "pytest-cuda",
-        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "tests/test_batched_sampling.py", "-q",
+        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "tests/test_batched_sampling.py",
+         "tests/test_paged_kernel.py", "-q",
          "-p", "no:cacheprovider",
          # A test that hangs (a CUDA graph, a core that never answers) fails alone; the others still run.
          "-o", "addopts=", "-rs", "--timeout=100", f"--junitxml={work / 'pytest-cuda' / 'junit.xml'}"],
@@ -163,6 +166,12 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
             env["STRUCTD_INFERENCE_COMPILE_BUCKETS"] = compile_buckets
         return env
 
+    # One layer's decode attention per backend (SDPA's gather vs Triton's paged kernel): no model needed.
+    add("realistic", "attention",
+        structd("bench", "attention", "--out", str(work / "attention"), "--device", sizes.device,
+                *(["--batches", "2", "--contexts", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                   "--reps", "2"] if smoke else [])),
+        kind="attention", skip=no_gpu, label="decode attention, SDPA vs Triton's paged kernel")
     for shape in sizes.shapes:
         add("realistic", f"build-{shape}",
             [*python(), str(repo / "scripts" / "device" / "random_llama.py"), "--shape", shape, "--dtype", sizes.dtype,

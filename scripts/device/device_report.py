@@ -117,6 +117,14 @@ def summarize_grammar(result: Path) -> dict:
     return {"rows": rows, "compile": _get(data, "compile", "counts", default=None)}
 
 
+def summarize_attention(result: Path) -> dict:
+    """structd bench attention's shapes: per backend, the context build and one layer's attention (µs)."""
+    if not result.is_file():
+        return {"note": f"no {result.name}"}
+    data = json.loads(result.read_text())
+    return {"backends": data.get("backends", []), "rows": data.get("shapes", [])}
+
+
 def summarize_json_line(stdout: Path) -> dict:
     """The last JSON object a step printed on stdout (versions.py, random_llama.py)."""
     if stdout.is_file():
@@ -210,6 +218,8 @@ def markdown(record: dict) -> str:
                 out += [f"- FAILED {f['test']}: {f['message']}" for f in sm.get("failures", [])]
                 reasons = sorted({k["reason"] for k in sm.get("skips", [])})
                 out += [f"- skipped: {r}" for r in reasons]
+        for s in (s for s in mine if s.get("kind") == "attention"):
+            out += _attention_table(s.get("summary") or {})
         e2e = [s for s in mine if s.get("kind") in ("e2e", "peer")]
         if e2e:
             out += _e2e_table(e2e)
@@ -227,6 +237,16 @@ def markdown(record: dict) -> str:
                                    f"{_ms(r.get('rtt_p99_seconds'))} | {_ms(r.get('server_step_p50_seconds'))} | "
                                    f"{_ms(r.get('fill_p50_seconds'))} |")
     return "\n".join(out) + "\n"
+
+
+def _attention_table(summary: dict) -> list[str]:
+    backends = summary.get("backends") or ["sdpa"]
+    lines = ["", "| batch | context | " + " | ".join(f"{b} build + attention µs" for b in backends) + " |",
+             "|---|---|" + "---|" * len(backends)]
+    for r in summary.get("rows", []):
+        cells = [f"{r.get(f'{b}_build_us')} + {r.get(f'{b}_attention_us')}" for b in backends]
+        lines.append(f"| {r.get('batch')} | {r.get('context')} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # --- the PNG -------------------------------------------------------------------------------------

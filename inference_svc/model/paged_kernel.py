@@ -1,0 +1,156 @@
+"""A Triton kernel for paged attention: each query token attends over its sequence's keys read in place from the blocks.
+
+The SDPA path (attention.py) gathers a padded [batch, longest sequence, kv
+heads, head dim] copy of K and V per layer and masks the padding; this
+kernel reads each key and value once from the paged cache through the
+block table, so a decode step's memory traffic is what the contexts hold
+and no host-built [batch, longest] slot or mask tensor is needed.
+
+One program per (query token, KV head) handles the token's query heads of
+that KV head group (grouped-query attention reads each key once for the
+group) with an online softmax in fp32 over tiles of BLOCK_N keys: the
+token attends to positions 0..its own position, so one kernel serves
+decodes and chunks that extend cached context (causal within the chunk,
+full over the cache). A fresh prefill (nothing cached) stays with SDPA,
+whose flash kernels reuse each key tile across many queries; a
+per-token program would read the keys once per query.
+
+Triton compiles for the GPU; the same kernel runs on CPU tensors under
+Triton's interpreter (TRITON_INTERPRET=1 in the environment of a process
+before it imports triton: triton's own library functions are built then),
+which is how tests/test_paged_kernel.py checks it against SDPA here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BACKENDS = ("auto", "sdpa", "triton")
+# Keys per tile: a power of two, enough to keep a warp's loads wide on a GPU.
+BLOCK_N = 32
+
+
+class AttentionBackendError(RuntimeError):
+    """--attention-backend names a backend this device cannot run (the server's configuration, not a request)."""
+
+
+def triton_unavailable() -> str | None:
+    """Why the Triton kernel cannot run in this process (None: it can)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError as e:  # this install's: triton missing or broken
+        return f"triton cannot be imported ({e})"
+    return None
+
+
+def resolve_backend(requested: str, device: torch.device) -> tuple[str, str]:
+    """(the attention backend to use, why) for --attention-backend `requested` on `device`.
+
+    auto: Triton's kernel on CUDA when triton imports, SDPA otherwise.
+    An explicit triton that cannot run is the operator's configuration:
+    AttentionBackendError naming the flag.
+    """
+    if requested not in BACKENDS:
+        raise AttentionBackendError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    missing = triton_unavailable()
+    if requested == "sdpa":
+        return "sdpa", "asked for (--attention-backend sdpa)"
+    if requested == "triton":
+        if device.type != "cuda":
+            raise AttentionBackendError(f"--attention-backend triton needs a CUDA device, and this server runs on {device}: "
+                             "use --attention-backend auto or sdpa")
+        if missing:
+            raise AttentionBackendError(f"--attention-backend triton: {missing}; use --attention-backend auto or sdpa")
+        return "triton", "asked for (--attention-backend triton)"
+    if device.type != "cuda":
+        return "sdpa", f"auto on {device.type}: the Triton kernel is for CUDA"
+    if missing:
+        return "sdpa", f"auto on CUDA, but {missing}"
+    return "triton", "auto on CUDA"
+
+
+@functools.cache
+def _kernel():
+    """The jitted kernel, built on first use (not at import: a server that never runs it never imports triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+        scale, block_size,
+        GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(seq_ptr + token)
+        last = tl.load(pos_ptr + token)  # the token's own position: it attends to 0..last
+        g = tl.arange(0, GROUPS_P2)
+        d = tl.arange(0, HEAD_DIM_P2)
+        g_ok = g < GROUPS
+        d_ok = d < HEAD_DIM
+        heads = kv_head * GROUPS + g
+        q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m = tl.full((GROUPS_P2,), float("-inf"), tl.float32)
+        denom = tl.zeros((GROUPS_P2,), tl.float32)
+        acc = tl.zeros((GROUPS_P2, HEAD_DIM_P2), tl.float32)
+        for start in range(0, last + 1, BLOCK):
+            pos = start + tl.arange(0, BLOCK)
+            live = pos <= last
+            block = tl.load(tables_ptr + seq * stride_tb + pos // block_size, mask=live, other=0)
+            slot = block.to(tl.int64) * block_size + pos % block_size
+            kv_mask = live[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask,
+                        other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUPS_P2, BLOCK]
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+    return paged_attention_kernel
+
+
+def paged_attention(
+    query: torch.Tensor,  # [tokens, heads, head_dim]
+    key_cache: torch.Tensor,  # [slots, kv_heads, head_dim]: the layer's flat cache, new keys already written
+    value_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [seqs, max_blocks] int
+    seq_index: torch.Tensor,  # [tokens] int: each token's row of block_tables
+    positions: torch.Tensor,  # [tokens] int: each token's position in its sequence
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """[tokens, heads, head_dim]: each token's attention over its sequence's positions 0..its own, in query's dtype."""
+    tokens, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[1]
+    out = torch.empty_like(query)
+    if tokens == 0:
+        return out
+    groups = heads // kv_heads
+    query = query.contiguous()
+    _kernel()[(tokens, kv_heads)](
+        query, key_cache, value_cache, out, block_tables, seq_index, positions,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), scale, block_size,
+        GROUPS=groups, GROUPS_P2=_pow2(groups), HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK=BLOCK_N,
+    )
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
