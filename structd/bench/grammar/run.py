@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 from structd.bench.grammar import report
+from structd.bench.grammar.backends import add_arguments as add_backend_arguments
+from structd.bench.grammar.backends import coverage_summary_text, plot_coverage, run_backend_coverage
 from structd.bench.grammar.burst import add_arguments as add_burst_arguments
 from structd.bench.grammar.burst import burst_summary_text, plot_burst, run_burst
 from structd.bench.grammar.server import start_server
@@ -78,13 +80,18 @@ def add_arguments(parser):
     parser.add_argument("--bounded-walks", type=int, default=12, help="walks per maxLength in the micro-benchmark")
 
     add_burst_arguments(parser)
+    add_backend_arguments(parser)
 
 
 def result_name(args) -> str:
+    if args.backend_coverage:
+        return "backend-coverage"
     return "compile-burst" if args.compile_burst else "grammar-bench"
 
 
 def run(args) -> dict:
+    if args.backend_coverage:
+        return run_backend_coverage(args)
     if args.compile_burst:
         return run_burst(args)
     result: dict = {}
@@ -148,11 +155,16 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
+    if result["arguments"]["backend_coverage"]:
+        return coverage_summary_text(result)
     return burst_summary_text(result) if result["arguments"]["compile_burst"] else _summary_text(result)
 
 
 def plot(result: dict, png: Path) -> None:
-    (plot_burst if result["arguments"]["compile_burst"] else report.plot)(result, png)
+    if result["arguments"]["backend_coverage"]:
+        plot_coverage(result, png)
+    else:
+        (plot_burst if result["arguments"]["compile_burst"] else report.plot)(result, png)
 
 
 async def _remote(args, target: str, desc, schemas, result: dict):
