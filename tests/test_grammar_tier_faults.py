@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -26,7 +28,7 @@ from inference_svc.types import Constraint
 from structd.bench.harness import ChildService
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.inference_client import InferenceClient
-from tests.conftest import InferenceServerThread, background_complete, start_grammar_server, wait_until
+from tests.conftest import InferenceServerThread, background_complete, wait_until
 from tests.test_cli import children_of, running
 
 DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 40, "maxItems": 40}
@@ -43,18 +45,44 @@ def _stop_all(srv, replicas: list[ChildService]) -> None:
         r.stop()
 
 
-def _two_replicas(tmp_path) -> list[ChildService]:
-    """Two grammar replicas, started side by side (each start mostly waits on its own imports and workers);
-    if one cannot start, the other is stopped."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        starts = [pool.submit(ChildService, ["grammar", "--compile-workers", "1"], tmp_path / f"grammar{i}.log")
-                  for i in range(2)]
+def _start_replicas(n: int, logs) -> list[ChildService]:
+    """n grammar replicas, started side by side (each start mostly waits on its own imports and workers);
+    if one cannot start, the others are stopped."""
+    with concurrent.futures.ThreadPoolExecutor(max(n, 1)) as pool:
+        starts = [pool.submit(ChildService, ["grammar", "--compile-workers", "1"], next(logs)) for _ in range(n)]
         concurrent.futures.wait(starts)
     started = [f.result() for f in starts if f.exception() is None]
-    if len(started) < 2:
+    if len(started) < n:
         _stop_all(None, started)
         raise next(f.exception() for f in starts if f.exception() is not None)
     return started
+
+
+@pytest.fixture(scope="module")
+def replica_pool(tmp_path_factory):
+    """The module's `structd grammar` replicas, kept across its fault tests: a replica start costs seconds of
+    imports and a compile worker, and a thawed replica serves as a fresh one does."""
+    logs = (tmp_path_factory.mktemp("replicas") / f"grammar{i}.log" for i in itertools.count())
+    pool: list[ChildService] = []
+    yield pool, logs
+    _stop_all(None, pool)
+
+
+@pytest.fixture
+def replicas(replica_pool) -> list[ChildService]:
+    """Two running grammar replicas holding no session: the pool's, thawed, with any that a test killed (or
+    that still holds a session after thawing) replaced by a new one."""
+    pool, logs = replica_pool
+    for r in list(pool):
+        if r.proc.poll() is None:
+            os.kill(r.proc.pid, signal.SIGCONT)
+            with contextlib.suppress(AssertionError):  # the replica's: it kept a session, so it is replaced
+                wait_until(lambda: _active_sessions(r) == 0, "sessions of an earlier test", 15)
+                continue
+        _stop_all(None, [r])
+        pool.remove(r)
+    pool.extend(_start_replicas(2 - len(pool), logs))
+    return list(pool)
 
 
 def _valid_digits(text: str) -> bool:
@@ -62,14 +90,51 @@ def _valid_digits(text: str) -> bool:
     return len(values) == 40 and all(0 <= v <= 9 for v in values)
 
 
-@pytest.mark.parametrize("fault", [pytest.param(signal.SIGKILL, id="sigkill"),
-                                   pytest.param(signal.SIGSTOP, id="sigstop-hung")])
-def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
+def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(replicas, monkeypatch):
+    """Issue 24, item 11: a replica frozen by SIGSTOP (its socket still accepts bytes, nothing answers) holds a
+    Compile only until the compile deadline plus COMPILE_RPC_MARGIN_SECONDS: the compile moves to the other
+    replica and the request is served; with both frozen the request fails UNAVAILABLE, naming the hung replica
+    and the deadline, and nothing is left compiling in the engine."""
+    from inference_svc.config import EngineConfig, InferenceServiceConfig
+    from inference_svc.grammar import grammar_tier
+    from shared.inference_client import InferenceError
+
+    # A shorter margin than the service's (each frozen replica is waited out once): the live replica's compile
+    # of a three-digit regex is bounded by its own 1 s deadline, and 2 s more still covers the round trip.
+    monkeypatch.setattr(grammar_tier, "COMPILE_RPC_MARGIN_SECONDS", 2.0)
+    srv = None
+    try:
+        cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
+                                     grammar_targets=tuple(r.target for r in replicas), simulate_step_ms=5.0,
+                                     engine=EngineConfig(max_num_seqs=4, default_max_tokens=8,
+                                                         compile_timeout_seconds=1.0))
+        srv = InferenceServerThread(cfg)
+        engine, tier = srv.server.engine, srv.server.grammar
+        first = next(r for r in replicas if r.target == tier.target(0))  # the one a compile picks on a tie
+        second = next(r for r in replicas if r is not first)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        with InferenceClient(srv.target) as client:
+            served = client.complete("one", regex="[0-9]{3}", max_tokens=8, timeout=120)
+            assert len(served.text) == 3 and served.text.isdigit()
+            assert not srv.run_sync(lambda: tier._replicas[0].registered)  # marked down
+            os.kill(second.proc.pid, signal.SIGSTOP)
+            with pytest.raises(InferenceError) as failed:
+                client.complete("two", regex="[a-z]{4}", max_tokens=8, timeout=120)
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "did not answer the compile within" in failed.value.message
+        assert f"{1.0 + grammar_tier.COMPILE_RPC_MARGIN_SECONDS:g} s" in failed.value.message
+        assert srv.run_sync(lambda: (engine.num_active, len(engine._compiling))) == (0, 0)
+    finally:
+        _stop_all(srv, [])  # the replicas are the pool's: thawed by the next test, stopped with the module
+
+
+@pytest.mark.parametrize("fault", [pytest.param(signal.SIGSTOP, id="sigstop-hung"),
+                                   pytest.param(signal.SIGKILL, id="sigkill")])
+def test_replica_fault_mid_generation_costs_no_request(replicas, fault):
     """Eight constrained requests; one of their two replicas is killed or frozen mid-generation: every request
     finishes valid on the other one, and a frozen replica is given up after the step deadline, not 30 s."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
-    replicas = _two_replicas(tmp_path)
     srv = None
     try:
         cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
@@ -110,46 +175,7 @@ def test_replica_fault_mid_generation_costs_no_request(tmp_path, fault):
             # A killed replica cannot stop its workers: they end on their own, rather than wait for ever.
             wait_until(lambda: not [p for p in workers if running(p)], "the killed replica's workers outlived it", 15)
     finally:
-        _stop_all(srv, replicas)
-
-
-def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(tmp_path, monkeypatch):
-    """Issue 24, item 11: a replica frozen by SIGSTOP (its socket still accepts bytes, nothing answers) holds a
-    Compile only until the compile deadline plus COMPILE_RPC_MARGIN_SECONDS: the compile moves to the other
-    replica and the request is served; with both frozen the request fails UNAVAILABLE, naming the hung replica
-    and the deadline, and nothing is left compiling in the engine."""
-    from inference_svc.config import EngineConfig, InferenceServiceConfig
-    from inference_svc.grammar import grammar_tier
-    from shared.inference_client import InferenceError
-
-    # A shorter margin than the service's (each frozen replica is waited out once): the live replica's compile
-    # of a three-digit regex is bounded by its own 1 s deadline, and 2 s more still covers the round trip.
-    monkeypatch.setattr(grammar_tier, "COMPILE_RPC_MARGIN_SECONDS", 2.0)
-    replicas = _two_replicas(tmp_path)
-    srv = None
-    try:
-        cfg = InferenceServiceConfig(host="127.0.0.1", port=0, metrics_port=0,
-                                     grammar_targets=tuple(r.target for r in replicas), simulate_step_ms=5.0,
-                                     engine=EngineConfig(max_num_seqs=4, default_max_tokens=8,
-                                                         compile_timeout_seconds=1.0))
-        srv = InferenceServerThread(cfg)
-        engine, tier = srv.server.engine, srv.server.grammar
-        first = next(r for r in replicas if r.target == tier.target(0))  # the one a compile picks on a tie
-        second = next(r for r in replicas if r is not first)
-        os.kill(first.proc.pid, signal.SIGSTOP)
-        with InferenceClient(srv.target) as client:
-            served = client.complete("one", regex="[0-9]{3}", max_tokens=8, timeout=120)
-            assert len(served.text) == 3 and served.text.isdigit()
-            assert not srv.run_sync(lambda: tier._replicas[0].registered)  # marked down
-            os.kill(second.proc.pid, signal.SIGSTOP)
-            with pytest.raises(InferenceError) as failed:
-                client.complete("two", regex="[a-z]{4}", max_tokens=8, timeout=120)
-        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
-        assert "did not answer the compile within" in failed.value.message
-        assert f"{1.0 + grammar_tier.COMPILE_RPC_MARGIN_SECONDS:g} s" in failed.value.message
-        assert srv.run_sync(lambda: (engine.num_active, len(engine._compiling))) == (0, 0)
-    finally:
-        _stop_all(srv, replicas)
+        _stop_all(srv, [])  # the replicas are the pool's: thawed by the next test, stopped with the module
 
 
 # ------------------------------------------------------------------ the tier against real replicas
@@ -212,27 +238,25 @@ def test_replay_that_fails_midway_reports_that_row(grammar_server, tokenizer_des
     assert good.outcome is RowOutcome.OK
 
 
-def test_compile_on_a_replica_gone_unavailable_moves_to_another(tokenizer_desc):
-    live = start_grammar_server()
-    try:
-        async def go():
-            tier = GrammarTier((f"127.0.0.1:{_stopped_port()}", live.target), tokenizer_desc)
-            try:
-                await tier.connect()
-                # Pretend the first was registered before it went away: it is the one a compile picks first.
-                first = next(iter(tier._replicas.values()))
-                first.registered = True
-                session = GrammarLink(Constraint("regex", "[0-9]{3}"))
-                await tier.compile(session)
-                return tier.target(session.replica), first.registered
-            finally:
-                await tier.close()
+def test_compile_on_a_replica_gone_unavailable_moves_to_another(grammar_server, tokenizer_desc):
+    live = grammar_server
 
-        target, first_registered = asyncio.run(go())
-        assert target == live.target
-        assert first_registered is False  # marked down until it answers again
-    finally:
-        live.stop()
+    async def go():
+        tier = GrammarTier((f"127.0.0.1:{_stopped_port()}", live.target), tokenizer_desc)
+        try:
+            await tier.connect()
+            # Pretend the first was registered before it went away: it is the one a compile picks first.
+            first = next(iter(tier._replicas.values()))
+            first.registered = True
+            session = GrammarLink(Constraint("regex", "[0-9]{3}"))
+            await tier.compile(session)
+            return tier.target(session.replica), first.registered
+        finally:
+            await tier.close()
+
+    target, first_registered = asyncio.run(go())
+    assert target == live.target
+    assert first_registered is False  # marked down until it answers again
 
 
 def test_addresses_that_leave_dns_are_dropped(grammar_server, tokenizer_desc, monkeypatch):
