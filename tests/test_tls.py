@@ -5,8 +5,10 @@ replica) refuse a client without a certificate, with one from another CA,
 with an expired one, and a plaintext client, and serve the right one. The
 grammar replica's certificate is rotated (its files rewritten) under a live
 Step stream: the stream and the inference service's own stream stay up while
-new connections get the new certificate; so are the inference service's and
-the gateway's client certificates, which new calls then present. `structd generate`, the gateway and
+new connections get the new certificate; so are the inference service's own
+certificate and client CA (new handshakes get the new ones, without a
+restart), and the inference service's and the gateway's client
+certificates, which new calls then present. `structd generate`, the gateway and
 `structd up` speak TLS with their flags; the plaintext health port answers
 health only.
 """
@@ -140,13 +142,28 @@ def grammar_client_cert(pki, tmp_path_factory) -> Issued:
 
 
 @pytest.fixture(scope="module")
-def tls_inference(pki, tls_grammar, grammar_client_cert):
+def inference_cert(pki, tmp_path_factory) -> Issued:
+    """The inference service's own certificate files, which a rotation test rewrites."""
+    return _live_copy(pki.server, tmp_path_factory.mktemp("inference-cert"))
+
+
+@pytest.fixture(scope="module")
+def inference_client_ca(pki, tmp_path_factory) -> Path:
+    """The inference service's client CA file, which a rotation test rewrites."""
+    path = tmp_path_factory.mktemp("inference-client-ca") / "ca.crt"
+    path.write_bytes(pki.ca.cert_file.read_bytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tls_inference(pki, tls_grammar, grammar_client_cert, inference_cert, inference_client_ca):
     """The inference service (simulated runner) over mutual TLS, dialling the grammar replica over mutual TLS."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
     cfg = InferenceServiceConfig(
         host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(tls_grammar.target,), simulate_step_ms=1.0,
-        grace_seconds=1.0, tls=pki.server_tls(), grammar_tls=pki.client_tls(grammar_client_cert),
+        grace_seconds=1.0, tls=ServerTls(inference_cert.cert_file, inference_cert.key_file, inference_client_ca),
+        grammar_tls=pki.client_tls(grammar_client_cert),
         engine=EngineConfig(max_num_seqs=4, default_max_tokens=16))
     srv = InferenceServerThread(cfg)
     yield srv
@@ -258,6 +275,41 @@ def test_rotated_client_certificate_is_presented_by_new_calls_only(pki, tls_infe
                          tls_key_file=pki.client.key_file) as client:
         assert client.complete("Letters:", regex="[ab]{2}", timeout=60).finish_reason == "stop"
     assert replica.stream is stream
+
+
+def _completes(target: str, pki: Pki, issued: Issued) -> str:
+    with InferenceClient(target, tls_ca_file=pki.ca.cert_file, tls_cert_file=issued.cert_file,
+                         tls_key_file=issued.key_file) as client:
+        return client.complete("Letters:", regex="[ab]{3}", timeout=60).finish_reason
+
+
+def test_the_inference_services_own_certificate_rotates_without_a_restart(pki, tls_inference, inference_cert):
+    """The inference service's server certificate files are rewritten: the next handshake is served the new
+    certificate, and clients that trust the CA go on being served."""
+    port = int(tls_inference.target.rsplit(":", 1)[1])
+    assert served_certificate(port, pki) == pki.server.der
+    pki.rotated_server.copy_to(inference_cert.cert_file, inference_cert.key_file)
+    try:
+        assert served_certificate(port, pki) == pki.rotated_server.der
+        assert _completes(tls_inference.target, pki, pki.client) == "stop"
+    finally:
+        pki.server.copy_to(inference_cert.cert_file, inference_cert.key_file)
+    assert served_certificate(port, pki) == pki.server.der
+
+
+def test_the_inference_services_client_ca_rotates_without_a_restart(pki, tls_inference, inference_client_ca):
+    """The client CA file now holds another CA: a client of the old one is refused at the handshake and one of
+    the new one served, without a restart; back to the old CA, the old client is served again."""
+    assert _completes(tls_inference.target, pki, pki.client) == "stop"
+    inference_client_ca.write_bytes(pki.other_ca.cert_file.read_bytes())
+    try:
+        with pytest.raises(InferenceError) as refused:
+            _completes(tls_inference.target, pki, pki.client)
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert _completes(tls_inference.target, pki, pki.foreign_client) == "stop"
+    finally:
+        inference_client_ca.write_bytes(pki.ca.cert_file.read_bytes())
+    assert _completes(tls_inference.target, pki, pki.client) == "stop"
 
 
 def test_rotation_to_a_broken_pair_keeps_the_last_good_certificate(pki, tls_grammar, live_cert):
