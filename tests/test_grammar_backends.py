@@ -7,7 +7,8 @@
   exception seen is -0, a JSON integer llguidance writes and xgrammar does not).
 - auto (a dedicated server with a small --fallback-after-seconds): a schema xgrammar compiles for tens of
   seconds is served by llguidance (reason xgrammar_slow), remembered in the cache; a pattern xgrammar
-  refuses is served by llguidance (xgrammar_refused); one both refuse keeps xgrammar's INVALID_ARGUMENT;
+  refuses is served by llguidance (xgrammar_refused); one both refuse keeps xgrammar's INVALID_ARGUMENT; one
+  llguidance refuses and xgrammar cannot compile within the deadline is INVALID_ARGUMENT naming llguidance's reason;
   grammar_svc_backend_choices_total counts each choice.
 - A grammar replica on --grammar-backend llguidance serves constrained requests end to end through the
   inference service: the outputs are valid and checked.
@@ -166,6 +167,10 @@ def test_llguidance_names_what_it_ignores(registered):
 def auto_server(tokenizer_desc):
     srv = start_grammar_server(grammar_backend="auto", fallback_after_seconds=0.5, compile_workers=1)
     call(srv.target, lambda client: client.register_tokenizer(tokenizer_desc))
+    # The worker loads the tokenizer on its first compile: paid here, not inside a test's fallback budget.
+    call(srv.target, lambda client: client.compile(tokenizer_desc.fingerprint, pb.GrammarSpec(regex="[0-9]"),
+                                                   timeout_seconds=60.0, rpc_timeout=120,
+                                                   backend=XGRAMMAR))
     yield srv
     srv.stop()
 
@@ -177,6 +182,30 @@ def choices(srv, backend: str, reason: str) -> float:
 
 def auto_compile(srv, fingerprint: str, spec: pb.GrammarSpec) -> pb.CompileResponse:
     return call(srv.target, lambda client: client.compile(fingerprint, spec, timeout_seconds=20.0, rpc_timeout=120))
+
+
+def test_a_pattern_xgrammar_refuses_is_served_by_llguidance(auto_server, tokenizer_desc):
+    spec = json_schema({"title": salt(), "type": "string", "pattern": r"\p{L}+"})
+    out = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (out.backend, out.backend_reason) == (LLGUIDANCE, "xgrammar_refused")
+
+
+def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer_desc):
+    with pytest.raises(grpc.RpcError) as info:
+        auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=r"\w+\b" + salt()))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Regex parsing error" in info.value.details()
+
+
+def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer_desc):
+    before = choices(auto_server, "xgrammar", "default")
+    out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
+    assert (out.backend, out.backend_reason) == (XGRAMMAR, "default")
+    assert choices(auto_server, "xgrammar", "default") == before + 1
+
+
+# The two below leave the one compile worker killed (a compile cancelled or timed out): after the ones that need
+# xgrammar to answer within the fallback budget, which a worker still restarting would miss.
 
 
 def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, tokenizer_desc, hf_tokenizer,
@@ -213,24 +242,18 @@ def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, 
     assert result.accepted_count == len(tokens) + 1
 
 
-def test_a_pattern_xgrammar_refuses_is_served_by_llguidance(auto_server, tokenizer_desc):
-    spec = json_schema({"title": salt(), "type": "string", "pattern": r"\p{L}+"})
-    out = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
-    assert (out.backend, out.backend_reason) == (LLGUIDANCE, "xgrammar_refused")
-
-
-def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer_desc):
-    with pytest.raises(grpc.RpcError) as info:
-        auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=r"\w+\b" + salt()))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "Regex parsing error" in info.value.details()
-
-
-def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer_desc):
-    before = choices(auto_server, "xgrammar", "default")
-    out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
-    assert (out.backend, out.backend_reason) == (XGRAMMAR, "default")
-    assert choices(auto_server, "xgrammar", "default") == before + 1
+def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):
+    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: past a
+    short deadline that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED, and asked again
+    (xgrammar's timeout remembered) the same answer comes without another compile."""
+    schema = {"title": salt(), **TOO_SLOW_SCHEMA,
+              "patternProperties": {".*": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as info:
+            call(auto_server.target, lambda client: client.compile(
+                tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=2.0, rpc_timeout=120))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "not disjoint" in info.value.details() and "xgrammar did not compile it" in info.value.details()
 
 
 # ---------------------------------------------------------------- end to end: a replica serving llguidance

@@ -16,7 +16,8 @@ request names one (CompileRequest.backend), or the replica's
 --grammar-backend decides; `auto` compiles with xgrammar and falls back to
 llguidance when xgrammar refuses the grammar, crashes on it, or has not
 finished after --fallback-after-seconds (its compile is then stopped, unless
-llguidance refuses the grammar too). A fallback is cached under
+llguidance refuses the grammar too: then, should xgrammar not finish within the deadline either, the
+grammar is INVALID_ARGUMENT naming llguidance's reason). A fallback is cached under
 llguidance's grammar id, so the next request for the same spec is answered
 from it without trying xgrammar again.
 
@@ -202,7 +203,12 @@ class GrammarBackend:
                     first.cancel()
                     raise
                 # llguidance cannot serve it: xgrammar's compile, still running, is the answer after all.
-                return replace(await first, reason=DEFAULT)
+                try:
+                    return replace(await first, reason=DEFAULT)
+                except CompileTimeoutError:
+                    if isinstance(e, InvalidGrammarError):
+                        raise _neither_serves(spec, timeout, e) from None
+                    raise
             # Cancelling the last waiter stops xgrammar's compile (its worker is killed).
             first.cancel()
             return result
@@ -216,7 +222,10 @@ class GrammarBackend:
             refusal, reason = e, XGRAMMAR_SLOW
         try:
             return await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
-        except (InvalidGrammarError, CompileTimeoutError):
+        except (InvalidGrammarError, CompileTimeoutError) as e:
+            if reason == XGRAMMAR_SLOW and isinstance(e, InvalidGrammarError):
+                # xgrammar's timeout is remembered: asking again is refused at once, naming llguidance's reason.
+                raise _neither_serves(spec, timeout, e) from None
             raise refusal from None  # both refuse it: xgrammar's reason is the one clients know
 
     async def _compile_llguidance(self, fingerprint: str, spec: GrammarSpec, timeout: float,
@@ -399,6 +408,15 @@ class GrammarBackend:
                 f"grammar {grammar_id} is not compiled on this replica (or was evicted); call Compile and reopen"
             )
         return entry
+
+
+def _neither_serves(spec: GrammarSpec, timeout: float, llguidance_refusal: InvalidGrammarError) -> InvalidGrammarError:
+    """A constraint llguidance refuses and xgrammar did not compile within the deadline: retrying under the same
+    deadline cannot help, so it is the constraint's fault (INVALID_ARGUMENT), named by llguidance's refusal."""
+    return InvalidGrammarError(
+        f"{spec.kind.value}: no grammar backend serves this constraint: xgrammar did not compile it within "
+        f"{timeout:g} s and {llguidance_refusal}. Rewrite that part of the constraint, or ask for backend xgrammar "
+        "with a longer compile deadline (up to the replica's --max-compile-timeout-seconds)")
 
 
 def _memory_cap(limit_bytes: int) -> str:
