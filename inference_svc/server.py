@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from inference_svc.config import InferenceServiceConfig
 from inference_svc.engine.engine import Engine
@@ -156,10 +157,18 @@ async def serve_worker(config: InferenceServiceConfig, rank: RankInfo, health_po
         if config.health_port:
             host.listen_health(config.host, config.health_port)
         await host.start()
-    runner, *_ = await asyncio.to_thread(load_runner, config, rank)
-    if host is not None:
-        await host.set_serving(True)
-    steps = await asyncio.to_thread(worker_loop, runner)
+    # One thread loads the shard and runs every step, as the engine's device thread does on rank 0: the current
+    # CUDA device (init_group sets it to this rank's GPU) is per thread, and kernels launched without an explicit
+    # device (Triton's) go to it. Two asyncio.to_thread calls may land on two threads of the default pool.
+    device_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
+    loop = asyncio.get_running_loop()
+    try:
+        runner, *_ = await loop.run_in_executor(device_thread, load_runner, config, rank)
+        if host is not None:
+            await host.set_serving(True)
+        steps = await loop.run_in_executor(device_thread, worker_loop, runner)
+    finally:
+        device_thread.shutdown(wait=False)
     log.info("tensor-parallel rank %d: rank 0 stopped the group after %d steps", rank.rank, steps)
     if host is not None:
         await host.stop(0)

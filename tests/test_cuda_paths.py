@@ -2,29 +2,50 @@
 
 scripts/device/check runs these there first, with CUDA_LAUNCH_BLOCKING=1 so
 an asynchronous CUDA error names the kernel that raised it. Every test skips
-where torch sees no CUDA device. On the embedded model in float32:
+where torch sees no CUDA device (the one on two GPUs where it sees fewer). On
+the embedded model:
 
 - the paged runner on CUDA gives the CPU runner's logits and greedy tokens
-  over a few hundred mixed prefill / decode / jump-forward-extend steps;
-- the compiled body with CUDA graphs (--compile default on CUDA) gives the
-  eager body's greedy tokens over the same kind of steps, with no recompile;
-- a CUDA server answers greedy requests (logprobs, min_tokens, grammars) as
-  the CPU server does: the same tokens, the same logprobs within float error;
+  over a few hundred mixed prefill / decode / jump-forward-extend steps, in
+  float32 and bfloat16, with SDPA and with Triton's paged kernel (the CPU
+  float32 SDPA runner is the reference throughout);
+- the compiled body with CUDA graphs (--compile default on CUDA), warmed up on
+  a device thread as the server does, gives the eager body's greedy tokens
+  there with no recompile, no graph recorded after the warm-up and no
+  cudagraph skip, and refuses a forward from another thread;
+- xgrammar's bitmask kernel (masking.py's CUDA path) masks what the CPU path
+  masks: rows allowing everything, nothing, a few ids, most ids, stale bits
+  past the tokenizer's vocabulary, an unconstrained row left alone;
+- the step sampler on CUDA: masked ids never drawn, greedy rows and their
+  logprobs the CPU's, seeded rows reproducible and independent of their
+  neighbours, logit bias and penalties applied;
+- LmHead.create's choice is logged;
+- a CUDA server (on an explicit cuda:N, its device thread's current device)
+  answers greedy requests (logprobs, min_tokens, grammars) as the CPU server
+  does, refuses a token id past the embedding without losing its CUDA
+  context, and so does a compiled one (CUDA graphs, graph partitioning, the
+  KV cache sized by --gpu-memory-utilization) with no graph recorded while
+  serving;
 - the sparse LM head gives the full head's tokens and logprobs on CUDA,
   seeded sampling included;
 - the engine-core process (`--engine-process on`, auto's choice on CUDA)
   serves concurrent constrained requests end to end through real grammar
-  and inference servers, as the one-process CUDA server does.
+  and inference servers, as the one-process CUDA server does;
+- with two GPUs, `--tp 2` over NCCL decodes as one GPU does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,8 +53,8 @@ from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedde
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
 from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
-from shared.inference_client import InferenceClient
-from tests.conftest import TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread
+from shared.inference_client import InferenceClient, InferenceError
+from tests.conftest import REPO, TEST_COMPILE_TIMEOUT_SECONDS, InferenceServerThread
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -45,6 +66,10 @@ VOCAB = 129_280
 ATOL = 2e-3
 # A row whose two best logits are closer than this on the CPU may take either on CUDA: not a greedy check.
 TIE = 1e-3
+# bfloat16 weights, activations and KV against the float32 reference: the embedded model's logits (a few units
+# in size) move by up to ~0.015 between the two on the CPU; three times that, and a margin well past it.
+BF16_ATOL = 0.05
+BF16_TIE = 0.1
 TINY = EmbeddedModelSpec(name="cuda-compile-tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128)
 POINT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -53,10 +78,16 @@ POINT = {"type": "object", "properties": {"name": {"type": "string", "maxLength"
          "required": ["name", "kind", "age"]}
 
 
-def make_runner(model_dir, device: str, num_blocks: int = 512, block_size: int = 16) -> PagedModelRunner:
-    model, _ = load_model(model_dir, device, "float32")
-    spec = KVCacheSpec.from_model_config(model.config, torch.float32, block_size)
-    return PagedModelRunner(model, PagedKVCache(spec, num_blocks, device))
+def make_runner(model_dir, device: str, num_blocks: int = 512, block_size: int = 16, dtype: str = "float32",
+                attention_backend: str = "sdpa") -> PagedModelRunner:
+    model, _ = load_model(model_dir, device, dtype)
+    spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype, block_size)
+    return PagedModelRunner(model, PagedKVCache(spec, num_blocks, device), attention_backend=attention_backend)
+
+
+def served_device() -> str:
+    """An explicit cuda:N, the last GPU: with two or more, a server off cuda:0 (its device thread must set it)."""
+    return f"cuda:{torch.cuda.device_count() - 1}"
 
 
 def mixed_steps(runners, steps: int, seed: int, check) -> int:
@@ -100,27 +131,39 @@ def mixed_steps(runners, steps: int, seed: int, check) -> int:
     return rows
 
 
-def assert_same_greedy(step: int, want: torch.Tensor, got: torch.Tensor) -> int:
+def assert_same_greedy(step: int, want: torch.Tensor, got: torch.Tensor, tie: float = TIE) -> int:
     """got's rows pick want's greedy token wherever want has a clear best; returns how many rows had one."""
     top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > TIE
+    clear = (top2[:, 0] - top2[:, 1]) > tie
     same = want.argmax(-1) == got.argmax(-1)
     assert bool(same[clear].all()), f"step {step}: greedy tokens differ at rows {(~same & clear).nonzero().tolist()}"
     return int(clear.sum())
 
 
-def test_cuda_runner_equals_the_cpu_reference_over_mixed_steps():
+RUNNERS = [
+    pytest.param("float32", "sdpa", 300, ATOL, TIE, 0.95, id="fp32-sdpa"),
+    pytest.param("float32", "triton", 150, ATOL, TIE, 0.95, id="fp32-triton"),
+    pytest.param("bfloat16", "sdpa", 150, BF16_ATOL, BF16_TIE, 0.5, id="bf16-sdpa"),
+    pytest.param("bfloat16", "triton", 150, BF16_ATOL, BF16_TIE, 0.5, id="bf16-triton"),
+]
+
+
+@pytest.mark.parametrize("dtype, backend, steps, atol, tie, clear_share", RUNNERS)
+def test_cuda_runner_equals_the_cpu_reference_over_mixed_steps(dtype, backend, steps, atol, tie, clear_share):
+    """The context builder, the KV writes and reads and the attention backend on CUDA, against the CPU float32
+    SDPA runner fed the same steps."""
     model_dir = ensure_embedded_model(progress=None)
-    cpu, cuda = make_runner(model_dir, "cpu"), make_runner(model_dir, DEVICE)
+    cpu = make_runner(model_dir, "cpu")
+    cuda = make_runner(model_dir, DEVICE, dtype=dtype, attention_backend=backend)
     clear = [0]
 
     def check(step, logits):
         want, got = logits
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"step {step}: {m}")
-        clear[0] += assert_same_greedy(step, want, got)
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"step {step}: {m}")
+        clear[0] += assert_same_greedy(step, want, got, tie)
 
-    rows = mixed_steps([cpu, cuda], steps=300, seed=7, check=check)
-    assert rows > 300 and clear[0] > 0.95 * rows
+    rows = mixed_steps([cpu, cuda], steps=steps, seed=7, check=check)
+    assert rows > steps and clear[0] > clear_share * rows
 
 
 def test_kv_cache_is_sized_from_what_the_device_has_left():
@@ -139,16 +182,50 @@ def test_kv_cache_is_sized_from_what_the_device_has_left():
     assert cache.blocks.num_blocks * spec.bytes_per_block <= budget
 
 
-def test_compiled_body_with_cuda_graphs_equals_eager(tmp_path):
+class OnThread:
+    """A runner whose forwards run on one executor thread, as the engine's device thread runs them."""
+
+    def __init__(self, runner: PagedModelRunner, thread: ThreadPoolExecutor):
+        self.runner, self.thread = runner, thread
+
+    @property
+    def block_manager(self):
+        return self.runner.block_manager
+
+    def forward(self, batch):
+        return self.thread.submit(self.runner.forward, batch).result(120)
+
+
+def graphs_recorded(device_index: int) -> int:
+    """CUDA graphs cudagraph trees recorded so far by the calling thread's tree manager (one per thread)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    # The manager numbers its graphs from an itertools.count: its repr is the next id.
+    return 0 if manager is None else int(repr(manager.graph_counter).removeprefix("count(").removesuffix(")"))
+
+
+@pytest.mark.timeout(300)
+def test_compiled_body_warmed_on_the_device_thread_equals_eager_there(tmp_path):
+    """Warmed up (each bucket run twice) on a device thread and run there: the eager body's tokens, no
+    recompile, no graph recorded after the warm-up, no cudagraph skip; a forward from another thread is
+    refused rather than recorded again into a second pool."""
+    from torch._dynamo.utils import counters
+
     from inference_svc.model.compiled_forward import CompiledBody, CompileSettings
 
     model_dir = ensure_embedded_model(tmp_path / "model", TINY, progress=None)
     eager, compiled = make_runner(model_dir, DEVICE), make_runner(model_dir, DEVICE)
+    index = compiled.device.index or 0
+    device_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
     lines: list[str] = []
+    skips = counters["inductor"]["cudagraph_skips"]
     # "default" is reduce-overhead (CUDA graphs) on CUDA; steps above the largest bucket run eagerly.
-    CompiledBody.install(compiled.model, CompileSettings("default", (16,), tmp_path / "inductor"),
-                         progress=lines.append)
+    settings = CompileSettings("default", (16,), tmp_path / "inductor")
+    device_thread.submit(CompiledBody.install, compiled.model, settings, lines.append).result(240)
     assert lines[-1].startswith("model body compiled in")
+    recorded = device_thread.submit(graphs_recorded, index).result()
+    assert recorded > 0, "the warm-up recorded no CUDA graph"
     clear = [0]
 
     def check(step, logits):
@@ -156,9 +233,168 @@ def test_compiled_body_with_cuda_graphs_equals_eager(tmp_path):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"step {step}: {m}")
         clear[0] += assert_same_greedy(step, want, got)
 
-    with torch.compiler.set_stance("fail_on_recompile"):
-        rows = mixed_steps([eager, compiled], steps=240, seed=13, check=check)
-    assert rows > 200 and clear[0] > 0.95 * rows
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            rows = mixed_steps([eager, OnThread(compiled, device_thread)], steps=240, seed=13, check=check)
+        assert rows > 200 and clear[0] > 0.95 * rows
+        assert device_thread.submit(graphs_recorded, index).result() == recorded, "a step recorded a graph"
+        assert counters["inductor"]["cudagraph_skips"] == skips, "inductor skipped CUDA graphs"
+        blocks = compiled.block_manager
+        blocks.allocate("elsewhere", 3)
+        with pytest.raises(RuntimeError, match="must replay on the thread that recorded them"):
+            compiled.forward(StepBatch.of([SequenceChunk("elsewhere", (1, 2, 3), 0)]))
+        blocks.free("elsewhere")
+    finally:
+        device_thread.shutdown(wait=True)
+
+
+MASK_KINDS = {"few": 0.003, "most": 0.97, "random": 0.5, "none": 0.0, "all": 1.0}
+
+
+def _set_bits(row: np.ndarray, ids: np.ndarray) -> None:
+    np.bitwise_or.at(row, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+
+
+def test_the_mask_kernel_on_cuda_masks_what_the_cpu_path_masks():
+    """masking.apply_masks on CUDA (xgrammar's Triton bitmask kernel over the rows listed) then the step's
+    padding columns, against the CPU path (id lists, numpy for dense rows) and the same padding: the same
+    logits bit for bit, an unconstrained row untouched."""
+    from inference_svc.engine.masking import apply_masks
+    from shared.codec import MaskDecoder, MaskEncoder, words_for_vocab
+
+    rng = np.random.default_rng(0)
+    kinds = list(MASK_KINDS)
+    for case in range(30):
+        vocab = int(rng.integers(1, 5000)) if case % 3 else VOCAB
+        extra = int(rng.choice([0, 5, 40, 100]))
+        width, n = vocab + extra, int(rng.integers(1, 8))
+        words = words_for_vocab(width)
+        enc, dec = MaskEncoder(vocab), MaskDecoder(vocab)
+        host = torch.zeros((n, words), dtype=torch.int32).pin_memory()
+        masked = []
+        for i in range(n):
+            ids = np.flatnonzero(rng.random(vocab) < MASK_KINDS[kinds[(case + i) % len(kinds)]])
+            row = np.zeros(words_for_vocab(vocab), dtype=np.uint32)
+            _set_bits(row, ids)
+            e = enc.encode_row(row.view(np.int32))
+            form = dec.decode_into(e.field, e.value, host[i].numpy(), [])
+            if i == 0:
+                # Stale bits past the tokenizer's vocabulary (a padded head's columns): never drawable.
+                _set_bits(host[i].numpy().view(np.uint32), np.arange(vocab, words * 32))
+            if i < n - 1 or n == 1:  # the last row of a batch is unconstrained
+                masked.append((i, form))
+        logits = torch.randn(n, width, generator=torch.Generator().manual_seed(case))
+        want = logits.clone()
+        for i, ids in apply_masks(want, masked, host, host, vocab).items():
+            allowed_only = torch.full_like(want[i], float("-inf"))
+            allowed_only[torch.from_numpy(ids)] = want[i, torch.from_numpy(ids)]
+            want[i] = allowed_only
+        got = logits.to(DEVICE)
+        assert apply_masks(got, masked, host, torch.zeros_like(host, device=DEVICE), vocab) == {}
+        want[:, vocab:] = got[:, vocab:] = float("-inf")  # as StepSampler.sample does for a padded head
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=lambda m: f"case {case}: {m}")
+
+
+def _step_sampler(device: str, rows: int, words: int):
+    from inference_svc.engine.step_sampler import StepSampler
+
+    host = torch.zeros((rows, words), dtype=torch.int32)
+    if device != "cpu":
+        host = host.pin_memory()
+    dev = host if device == "cpu" else torch.zeros_like(host, device=device)
+    return StepSampler(VOCAB, {1}, host, dev), host
+
+
+SAMPLED_ROWS = [dict(temperature=0.0, top_logprobs=5), dict(temperature=0.0), dict(temperature=1.0, seed=1,
+                top_logprobs=3), dict(temperature=0.8, top_k=20, seed=2, logprobs=True),
+                dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=0.7, min_p=0.05, seed=4),
+                dict(temperature=1.0, seed=5, logit_bias={7: 5.0}), dict(temperature=0.0, repetition_penalty=1.3,
+                                                                      logprobs=True)]
+
+
+def sampling_options(spec: dict):
+    """SamplingOptions from a dict of SamplingParams fields (those left out at their defaults)."""
+    from inference_svc.engine.sampling import SamplingOptions
+
+    spec = dict(spec)
+    return SamplingOptions.validated(max_tokens=0, top_p=spec.pop("top_p", 1.0), top_k=spec.pop("top_k", 0),
+                                     seed=spec.pop("seed", None), stop=(), ignore_eos=False, default_max_tokens=64,
+                                     max_max_tokens=4096, **spec)
+
+
+def test_a_row_sampler_is_made_without_waiting_for_the_device():
+    """Engine.submit makes each request's RowSampler on the event loop, where a wait for the device stalls
+    every RPC for the forward in flight: its generator and logit bias are made without one (the bias stays on
+    the host; adjust_rows copies a step's biases over on the device thread)."""
+    from inference_svc.engine.sampling import RowSampler
+
+    stream = torch.cuda.current_stream(DEVICE)
+    torch.cuda._sleep(2_000_000_000)  # keeps the device busy for about a second (cycles, not seconds)
+    sampler = RowSampler(sampling_options(dict(temperature=1.0, seed=3, logit_bias={5: 1.0, 9: -2.0})), DEVICE)
+    assert not stream.query(), "making a RowSampler waited for the device"
+    torch.cuda.synchronize()
+    assert sampler.bias[0].device.type == "cpu" and sampler.generator.device.type == "cuda"
+
+
+def test_the_step_sampler_on_cuda_draws_what_the_masks_allow_as_the_cpu_does():
+    """StepSampler.sample on CUDA (dense masks through the bitmask kernel, bias, repetition penalty, an EOS
+    ban): every token allowed; greedy rows and their logprobs the CPU's; a sampled row's logprob that of the
+    masked distribution; seeded rows drawn again alike, and alike when drawn alone."""
+    from inference_svc.engine.sampling import RowSampler
+    from inference_svc.engine.step_sampler import RowPlan
+    from shared.codec import words_for_vocab
+
+    n, width = len(SAMPLED_ROWS), VOCAB + 64  # a padded head: 64 columns past the tokenizer
+    words = words_for_vocab(width)
+    rng = np.random.default_rng(1)
+    history = np.array([7, 11, 13], dtype=np.int64)
+    for step in range(5):
+        logits = torch.randn(n, width, generator=torch.Generator().manual_seed(step)) * 4
+        allowed = [np.flatnonzero(rng.random(VOCAB) < p) for p in (0.5, 0.01, 0.3, 0.9, 0.2, 0.6, 0.001, 0.4)]
+        allowed[6] = np.union1d(allowed[6], [7])  # the biased id is allowed
+        results = {}
+        for device in ("cpu", DEVICE):
+            sampler, host = _step_sampler(device, n, words)
+            for i, ids in enumerate(allowed):
+                _set_bits(host[i].numpy().view(np.uint32), ids)
+            plan = RowPlan(sample=list(range(n)), masked=[(i, None) for i in range(n)], ban_eos=[1],
+                           penalties=[(7, history, 1.3)])
+            plan.bias = [(6, *RowSampler(sampling_options(SAMPLED_ROWS[6]), device).bias)]
+            samplers = [RowSampler(sampling_options(spec), device) for spec in SAMPLED_ROWS]
+            drawn = sampler.sample(logits.to(device, copy=True), plan, samplers)
+            assert not [d for d in drawn if isinstance(d, Exception)], drawn
+            results[device] = drawn
+            if device == DEVICE:
+                again = sampler.sample(logits.to(device, copy=True), plan, [RowSampler(sampling_options(s), device)
+                                                                 for s in SAMPLED_ROWS])
+                assert [t for t, _ in again] == [t for t, _ in drawn], "seeded rows drew otherwise"
+                alone = RowPlan(sample=[3], masked=[(3, None)])
+                (token, _), = sampler.sample(logits.to(device, copy=True), alone, [RowSampler(sampling_options(SAMPLED_ROWS[3]),
+                                                                                   device)])
+                assert token == drawn[3][0], "a seeded row drew otherwise beside other rows"
+        for i, ((token, lp), (cpu_token, cpu_lp)) in enumerate(zip(results[DEVICE], results["cpu"])):
+            assert token < VOCAB and token in set(allowed[i].tolist()), (step, i, token)
+            if SAMPLED_ROWS[i]["temperature"] == 0.0:
+                assert token == cpu_token, (step, i)
+                if cpu_lp is not None:
+                    assert lp.logprob == pytest.approx(cpu_lp.logprob, abs=1e-4)
+                    assert [t for t, _ in lp.top] == [t for t, _ in cpu_lp.top]
+        # Row 2 (temperature 1, nothing cut): its logprob is the masked row's log-softmax at its token.
+        token, lp = results[DEVICE][2]
+        masked_row = torch.full((VOCAB,), float("-inf"))
+        masked_row[torch.from_numpy(allowed[2])] = logits[2, torch.from_numpy(allowed[2])]
+        assert lp.logprob == pytest.approx(float(torch.log_softmax(masked_row.double(), 0)[token]), abs=1e-4)
+
+
+def test_the_lm_head_choice_is_logged_on_cuda(caplog):
+    """LmHead.create on CUDA: F.linear (the oneDNN kernel and the bfloat16 screen are the CPU's), and the
+    choice in the log with whether the sparse head is on."""
+    with caplog.at_level(logging.INFO, logger="inference_svc.model.model_runner"):
+        runner = make_runner(ensure_embedded_model(progress=None), DEVICE)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LM head: ")]
+    assert runner.lm_head.name == "plain" and runner.lm_head.screen is None
+    want = "LM head: plain kernel" + ("" if runner.lm_head.exact_columns else " (no sparse head)")
+    assert lines == [want], caplog.text
 
 
 # --- through the servers ----------------------------------------------------------------------------
@@ -168,7 +404,7 @@ def _config(grammar, **overrides):
     from inference_svc.config import EngineConfig, InferenceServiceConfig
 
     base = dict(host="127.0.0.1", port=0, metrics_port=0, grammar_targets=(grammar.target,), num_threads=2,
-                kv_cache_bytes=256 * 1024**2, block_size=16, dtype="float32", compile="off", device=DEVICE,
+                kv_cache_bytes=256 * 1024**2, block_size=16, dtype="float32", compile="off", device=served_device(),
                 engine=EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, max_waiting=64, default_max_tokens=32,
                                     compile_timeout_seconds=TEST_COMPILE_TIMEOUT_SECONDS))
     return InferenceServiceConfig(**{**base, **overrides})
@@ -202,6 +438,16 @@ def cuda_server(grammar_server):
 def cuda_full_head(grammar_server):
     with _served(grammar_server, engine=replace(_config(grammar_server).engine, sparse_head=False)) as (_, client):
         yield client
+
+
+@pytest.fixture(scope="module")
+def cuda_compiled(grammar_server, tmp_path_factory):
+    """A server as `structd inference` runs on a GPU: the body compiled with CUDA graphs (one bucket: steps of
+    more tokens run eagerly), the KV cache sized from the device (a small --gpu-memory-utilization, beside
+    the module's other servers)."""
+    with _served(grammar_server, compile="default", compile_buckets=(8,), kv_cache_bytes=0,
+                 gpu_memory_utilization=0.3, compile_cache_dir=tmp_path_factory.mktemp("inductor")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +485,70 @@ def test_cuda_server_answers_greedy_requests_as_the_cpu_server(cpu_server, cuda_
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
     assert len(got.token_ids) >= options.get("min_tokens", 0)
     assert_same_logprobs(got.logprobs, want.logprobs, atol=ATOL)
+
+
+def on_device_thread(srv, fn, *args):
+    return srv.server.engine._executor.submit(fn, *args).result(60)
+
+
+def test_the_device_thread_loaded_the_model_and_runs_on_the_served_device(cuda_server):
+    """--device cuda:N: the model loaded on the engine's device thread, whose current CUDA device is N (so
+    Triton's kernels, launched on the current device, run where the tensors are)."""
+    srv, client = cuda_server
+    index = torch.device(served_device()).index
+    assert on_device_thread(srv, lambda: torch.cuda.current_device()) == index
+    import threading
+
+    assert srv.server.stack.loaded_on == on_device_thread(srv, lambda: threading.current_thread().name)
+    assert srv.server.engine.runner.device == torch.device("cuda", index)
+    out = client.complete("Pick:", max_tokens=8, choice=["alpha", "beta"], timeout=120)
+    assert out.text in ("alpha", "beta")
+
+
+def test_ids_past_the_embedding_are_refused_and_the_cuda_context_survives(grammar_server, tmp_path):
+    """A model with 64 fewer embedding rows than its tokenizer has tokens: an id between the two would be a
+    device-side assert, which poisons the whole CUDA context. Refused per request (prompt ids, logit_bias,
+    stop_token_ids), and the server answers the next request."""
+    from inference_svc.model.embedded_model import DEFAULT_SPEC
+
+    path = ensure_embedded_model(tmp_path / "narrow", replace(DEFAULT_SPEC, vocab_padding=-64), progress=None)
+    with _served(grammar_server, model=path) as (srv, client):
+        rows = srv.server.engine.runner.embedding_rows
+        assert srv.server.engine.token_id_limit == rows
+        for prompt, kwargs, names in [([1, rows], {}, "prompt_token_ids"), ([1, rows + 63], {}, "prompt_token_ids"),
+                                      ("hi", dict(logit_bias={rows + 3: 5.0}), "logit_bias"),
+                                      ("hi", dict(stop_token_ids=[rows]), "stop_token_ids")]:
+            with pytest.raises(InferenceError) as refused:
+                client.complete(prompt, max_tokens=4, timeout=60, **kwargs)
+            assert refused.value.code.name == "INVALID_ARGUMENT" and names in refused.value.message
+        out = client.complete([1, rows - 1], max_tokens=4, ignore_eos=True, timeout=60)
+        assert len(out.token_ids) == 4 and max(out.token_ids) < rows
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prompt, options", GREEDY[:3] + GREEDY[4:5])
+def test_compiled_cuda_server_answers_greedy_requests_as_the_cpu_server(cpu_server, cuda_compiled, prompt,
+                                                                        options):
+    from torch._dynamo.utils import counters
+
+    srv, compiled = cuda_compiled
+    index = torch.device(served_device()).index
+    recorded = on_device_thread(srv, graphs_recorded, index)
+    skips = counters["inductor"]["cudagraph_skips"]
+    want = cpu_server.complete(prompt, max_tokens=40, timeout=120, **options)
+    got = compiled.complete(prompt, max_tokens=40, timeout=120, **options)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert_same_logprobs(got.logprobs, want.logprobs, atol=ATOL)
+    assert recorded > 0 and on_device_thread(srv, graphs_recorded, index) == recorded, "a request recorded a graph"
+    assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+def test_compiled_cuda_server_sized_its_kv_cache_from_the_device(cuda_compiled):
+    srv, _ = cuda_compiled
+    size = srv.server.stack.runner.kv_cache_bytes
+    assert size > 0 and srv.server.metrics.kv_cache_bytes._value.get() == size
+    free, total = torch.cuda.mem_get_info(torch.device(served_device()))
+    assert size < 0.3 * total
 
 
 SAMPLED = [
@@ -288,3 +598,35 @@ def test_engine_core_process_serves_concurrent_constrained_requests_on_cuda(cuda
     # One at a time, the core and the one-process server run the same steps: the same tokens.
     for prompt in prompts[:3]:
         assert ask(core, prompt).token_ids == ask(one, prompt).token_ids, prompt
+
+
+@pytest.fixture(scope="module")
+def cuda_tp2(grammar_server):
+    """`structd inference --tp 2 --device cuda`: rank 0 here starts rank 1 itself (LOCAL_RANK 1: cuda:1)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from structd.bench.harness import free_port
+    from structd.up import wait_serving
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(port),
+                             "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
+                             "--device", "cuda", "--dtype", "float32", "--kv-cache-bytes", str(256 * 1024**2),
+                             "--log-level", "WARNING", "--engine-process", "off"], cwd=REPO)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
+        with InferenceClient(f"127.0.0.1:{port}") as client:
+            yield client
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("prompt, options", GREEDY[2:4])
+def test_two_gpus_decode_as_one(cuda_server, cuda_tp2, prompt, options):
+    """NCCL bound to each rank's GPU (device_id), rank 1's steps on the thread that set its device."""
+    _, one = cuda_server
+    want = one.complete(prompt, max_tokens=24, timeout=120, **options)
+    got = cuda_tp2.complete(prompt, max_tokens=24, timeout=120, **options)
+    assert got.token_ids == want.token_ids

@@ -309,12 +309,13 @@ class RowSampler:
         self.seen = SeenTokens() if options.repetition_penalty != 1.0 else None
         occurrence = options.presence_penalty != 0.0 or options.frequency_penalty != 0.0
         self.counts = OutputCounts() if occurrence else None
-        # (ids, biases) as tensors where the logits are, made once.
+        # (ids, biases) as host tensors, made once. Not on the device: a RowSampler is made on the event loop,
+        # where a copy to a GPU waits for the forward in flight (a pageable copy syncs its stream); the step's
+        # biases go over in one copy on the device thread instead (adjust_rows).
         self.bias = None
         if options.logit_bias:
             ids, values = zip(*options.logit_bias)
-            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
-                         torch.tensor(values, dtype=torch.float32, device=device))
+            self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
         # Whether the logits need rewriting before the mask: the one check a step makes for every row.
         self.adjusts = self.seen is not None or self.counts is not None or self.bias is not None
 
@@ -354,7 +355,7 @@ class TokenLogprob:
 def add_at(logits: torch.Tensor, row: int, ids: torch.Tensor, values: torch.Tensor) -> None:
     """logits[row, ids] += values, in place (ids distinct; -inf stays -inf, so a masked or uncomputed
     column stays undrawable whatever the bias)."""
-    logits[row].index_add_(0, ids, values.to(logits.dtype))
+    logits[row].index_add_(0, ids.to(logits.device), values.to(logits.device, logits.dtype))
 
 
 @torch.inference_mode()
@@ -396,17 +397,19 @@ def adjust_rows(logits: torch.Tensor, bias: Sequence[tuple[int, torch.Tensor, to
     device = logits.device
     bad: set[int] = set()
     if bias:
-        ids = torch.cat([t for _, t, _ in bias])
-        lengths = torch.tensor([t.shape[0] for _, t, _ in bias], device=device)
-        row = torch.repeat_interleave(torch.tensor([i for i, _, _ in bias], device=device), lengths)
+        # Built on the host (RowSampler keeps its bias there), checked there (no wait for the device), and
+        # copied over once for the step.
+        ids = torch.cat([t.cpu() for _, t, _ in bias])
+        lengths = torch.tensor([t.shape[0] for _, t, _ in bias])
+        row = torch.repeat_interleave(torch.tensor([i for i, _, _ in bias]), lengths)
         outside = (ids < 0) | (ids >= width)
-        if bool(outside.any()):  # one host wait, and only for a step with a bias
+        if bool(outside.any()):
             bad.update(row[outside].tolist())
-        keep = ~torch.isin(row, torch.tensor(sorted(bad), dtype=row.dtype, device=device)) if bad else None
-        at, values = ids + row * width, torch.cat([v for _, _, v in bias]).to(logits.dtype)
+        keep = ~torch.isin(row, torch.tensor(sorted(bad), dtype=row.dtype)) if bad else None
+        at, values = ids + row * width, torch.cat([v.cpu() for _, _, v in bias])
         if keep is not None:
             at, values = at[keep], values[keep]
-        flat.index_add_(0, at, values)
+        flat.index_add_(0, at.to(device), values.to(device, logits.dtype))
     rep = [(i, ids, p) for i, ids, p in penalties if _inside(ids, width, i, bad)]
     if rep:
         at = torch.from_numpy(np.concatenate([ids + i * width for i, ids, _ in rep])).to(device)
