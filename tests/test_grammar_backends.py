@@ -197,6 +197,27 @@ def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer
     assert "Regex parsing error" in info.value.details()
 
 
+@pytest.mark.parametrize("schema, backend, reason", [
+    pytest.param({"type": "number", "multipleOf": 0.25}, LLGUIDANCE, "feature", id="multipleOf-number"),
+    pytest.param({"type": "array", "items": {"type": ["number", "null"], "multipleOf": 0.5}}, LLGUIDANCE, "feature",
+                 id="multipleOf-number-nested"),
+    pytest.param({"type": "integer", "multipleOf": 3}, XGRAMMAR, "default", id="multipleOf-integer"),
+    # llguidance would drop propertyNames: the multipleOf is not worth that.
+    pytest.param({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                  "additionalProperties": {"type": "number", "multipleOf": 0.5}}, XGRAMMAR, "default",
+                 id="llguidance-would-ignore-more"),
+])
+def test_auto_serves_what_only_llguidance_enforces_from_llguidance(auto_server, tokenizer_desc, schema, backend,
+                                                                    reason):
+    """xgrammar drops multipleOf on numbers (warning); llguidance enforces it: auto chooses llguidance for it
+    (reason feature), and a repeat is answered from llguidance's cached grammar."""
+    spec = json_schema({"title": salt(), **schema})
+    first = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (first.backend, first.backend_reason) == (backend, reason), first.warnings
+    again = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (again.backend, again.backend_reason, again.cache_hit) == (backend, reason, True)
+
+
 def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer_desc):
     before = choices(auto_server, "xgrammar", "default")
     out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))

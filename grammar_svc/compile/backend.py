@@ -42,7 +42,8 @@ import xgrammar as xgr
 from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
-from grammar_svc.compile.llguidance_backend import AUTO, LLGUIDANCE, compile_llguidance
+from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, compile_llguidance,
+                                                    ignores_only_what_xgrammar_ignores, llguidance_only_features)
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
@@ -61,8 +62,8 @@ CRASH_MEMORY = 4096
 
 # Why a compile was served by the backend that served it (grammar_svc_backend_choices_total's reason label):
 # requested (CompileRequest.backend), configured (--grammar-backend names one), default (auto: xgrammar
-# compiled it), and auto's fallbacks to llguidance.
-REQUESTED, CONFIGURED, DEFAULT = "requested", "configured", "default"
+# compiled it), feature (auto: the schema uses what only llguidance enforces), and auto's fallbacks to llguidance.
+REQUESTED, CONFIGURED, DEFAULT, FEATURE = "requested", "configured", "default", "feature"
 XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED = "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed"
 FALLBACK_REASONS = (XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED)
 
@@ -180,13 +181,25 @@ class GrammarBackend:
 
     async def _compile_auto(self, fingerprint: str, spec: GrammarSpec, timeout: float,
                             caller: str | None) -> CompileResult:
-        """xgrammar's grammar, unless xgrammar refuses it, crashes on it or is still compiling it after
-        --fallback-after-seconds: then llguidance's (xgrammar's answer where llguidance refuses it too)."""
+        """xgrammar's grammar, unless the schema uses what only llguidance enforces, or xgrammar refuses it,
+        crashes on it or is still compiling it after --fallback-after-seconds: then llguidance's (xgrammar's
+        answer where llguidance refuses it too)."""
         fallback = self.cache.get(spec.grammar_id(fingerprint, LLGUIDANCE))
-        if isinstance(fallback, CompiledEntry) and fallback.backend_reason in FALLBACK_REASONS:
-            # Decided before: xgrammar is not tried again while the fallback is cached.
+        if isinstance(fallback, CompiledEntry) and (fallback.backend_reason in FALLBACK_REASONS or (
+                fallback.backend_reason == FEATURE and ignores_only_what_xgrammar_ignores(fallback.warnings))):
+            # Decided before: xgrammar is not tried again while llguidance's grammar is cached.
             self.metrics.cache_hits.labels(spec.kind.value).inc()
             return CompileResult(fallback, True, fallback.backend_reason)
+        # (A schema xgrammar's grammar already serves, asked for by name before, is not parsed again.)
+        served = self.cache.get(spec.grammar_id(fingerprint))
+        if spec.kind is Kind.JSON_SCHEMA and not isinstance(served, CompiledEntry) and llguidance_only_features(spec.text):
+            try:
+                chosen = await self._compile_llguidance(fingerprint, spec, timeout, FEATURE)
+            except (InvalidGrammarError, CompileTimeoutError):
+                chosen = None  # llguidance cannot serve it: xgrammar's looser grammar is still an answer
+            # Not where llguidance would drop a keyword xgrammar enforces: that trade is not made for the client.
+            if chosen is not None and ignores_only_what_xgrammar_ignores(chosen.entry.warnings):
+                return chosen
         start = time.monotonic()
         first = asyncio.ensure_future(self._compile(fingerprint, spec, timeout, caller))
         try:

@@ -201,6 +201,41 @@ def compile_llguidance(tok, spec) -> LlguidanceGrammar:
                              tuple(_warning_lines(messages)))
 
 
+def llguidance_only_features(text: str) -> list[str]:
+    """JSON pointers of what llguidance enforces and xgrammar 0.2.8 ignores in a JSON schema, found by compiling
+    each JSON Schema keyword with both and walking a valid and an invalid document through each (issue 26):
+    only `multipleOf` on numbers (xgrammar warns and drops it; llguidance checks it exactly). Conservative:
+    an unreadable schema has none."""
+    try:
+        schema = json.loads(text)
+    except ValueError:  # the schema's: the compile that follows says so
+        return []
+    found, stack = [], [("", schema)]
+    while stack:
+        pointer, node = stack.pop()
+        if isinstance(node, list):
+            stack += [(f"{pointer}/{i}", v) for i, v in enumerate(node)]
+            continue
+        if not isinstance(node, dict):
+            continue
+        t = node.get("type")
+        if "multipleOf" in node and (t == "number" or (isinstance(t, list) and "number" in t)):
+            found.append(f"{pointer}/multipleOf")
+        stack += [(f"{pointer}/{k.replace('~', '~0').replace('/', '~1')}", v) for k, v in node.items()
+                  if k not in ("const", "enum", "default", "examples")]
+    return found
+
+
+def ignores_only_what_xgrammar_ignores(warnings) -> bool:
+    """Whether llguidance's compile warnings name only keywords xgrammar does not enforce either, so serving
+    the grammar from llguidance loses nothing xgrammar's would have enforced."""
+    from grammar_svc.schema.schema_warnings import IGNORED_KEYWORDS
+
+    # then/else come with if; both apply oneOf as anyOf; unknown formats are ignored by both.
+    shared = set(IGNORED_KEYWORDS) | {"then", "else", "oneOf", "Unknown"}
+    return all(line.split(" ", 1)[0] in shared for line in warnings)
+
+
 _UNIMPLEMENTED = re.compile(r"^Unimplemented keys: (\[.*?\])(?: \(\d+ times\))?$")
 
 
