@@ -268,3 +268,20 @@ def test_adjustments_over_the_batch_equal_the_row_by_row_ones():
                                        (1, torch.tensor([3]), torch.tensor([5.0]))],
                                    [(2, np.array([vocab + 5]), 1.5)], [])
     assert bad == {0, 2} and x[1, 3] == 5.0 and x[0].abs().sum() == 0
+
+
+def test_greedy_logprobs_of_many_rows_at_once_are_the_row_by_rows():
+    """Off the CPU's float32 path (a GPU; here float64 logits) the greedy rows' logprobs come from one
+    log_softmax and one top-k over those rows: the same tokens, logprobs and alternatives as row by row."""
+    x = model_like(6, 1000, seed=3).double()
+    x[2, ::2] = NEG_INF
+    tops = [5, 0, 3, 20, 1, 0]
+    samplers = [RowSampler(options(temperature=0.0, top_logprobs=n, logprobs=True)) for n in tops]
+    samplers[5] = RowSampler(options(temperature=0.0))  # no logprobs asked
+    tokens, logprobs = sample_with_logprobs(x, samplers)
+    assert tokens == x.argmax(1).tolist() and logprobs[5] is None
+    for i in range(5):
+        want = sampling._greedy_logprobs(x[i], tokens[i], tops[i])
+        assert logprobs[i].logprob == pytest.approx(want.logprob, abs=1e-12)
+        assert [t for t, _ in logprobs[i].top] == [t for t, _ in want.top]
+        assert [v for _, v in logprobs[i].top] == pytest.approx([v for _, v in want.top], abs=1e-12)

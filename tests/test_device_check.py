@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -124,6 +125,30 @@ def test_gpu_plan_covers_the_issue():
     assert attention.argv[attention.argv.index("--device") + 1] == "cuda" and "--batches" not in attention.argv
     assert sum(s.budget for s in steps) <= 480
     assert steps[1].env == {"CUDA_LAUNCH_BLOCKING": "1"}
+
+
+def test_the_correctness_phase_runs_every_cuda_marked_test_file():
+    """A new `-m cuda` test file is run on the GPU, not forgotten beside the plan."""
+    steps = device_plan.plan(smoke=False, repo=REPO, work=Path("/w"), model_root=Path("/m"), schemas=Path("/s"),
+                             device_memory=80 * 1024**3, cuda=True)
+    listed = sorted(a for a in steps[1].argv if a.startswith("tests/"))
+    marker = re.compile(r"^(@pytest\.mark\.cuda\b|pytestmark = .*pytest\.mark\.cuda\b)", re.M)
+    marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if marker.search(p.read_text()))
+    assert listed == marked
+
+
+def test_a_pytest_step_cut_off_is_summarised_from_what_it_printed(tmp_path):
+    import device_report
+
+    out = tmp_path / "stdout.log"
+    out.write_text("collecting ... collected 3 items\n"
+                   "tests/test_a.py::test_x PASSED                [ 33%]\n"
+                   "tests/test_a.py::test_y[bf16-triton] FAILED   [ 66%]\n"
+                   "tests/test_b.py::test_z SKIPPED (needs two CUDA devices) [100%]\n")
+    got = device_report.summarize_pytest(tmp_path / "junit.xml", out)
+    assert (got["passed"], got["failed"], got["skipped"]) == (1, 1, 1)
+    assert got["failures"][0]["test"] == "test_a.py::test_y[bf16-triton]"
+    assert got["skips"][0]["reason"] == "needs two CUDA devices" and "cut off" in got["note"]
 
 
 def test_without_cuda_the_gpu_plan_skips_the_realistic_shapes_and_says_why():

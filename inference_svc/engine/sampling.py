@@ -525,10 +525,20 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[RowSampler], row_i
             picked = [int(x[j].argmax()) for j in wanted]
         else:
             picked = _argmax_rows(logits[wanted])
+        asked = []
         for i, token in zip(greedy, picked):
             out[i] = token
             if rows[i].options.wants_logprobs:
-                logprobs[i] = _greedy_logprobs(logits[index[i]], token, rows[i].options.top_logprobs)
+                asked.append(i)
+        if asked and x is None:
+            # Off the CPU, one log_softmax and one top-k for these rows: row by row, each waits on the host.
+            tops = _greedy_logprobs_rows(logits, [index[i] for i in asked], [out[i] for i in asked],
+                                         [rows[i].options.top_logprobs for i in asked])
+            for i, lp in zip(asked, tops):
+                logprobs[i] = lp
+        else:
+            for i in asked:
+                logprobs[i] = _greedy_logprobs(logits[index[i]], out[i], rows[i].options.top_logprobs)
     whole = [i for i, r in enumerate(rows) if not r.argmax_only and not subset[i]]
     if whole or listed:
         _sample_batch(logits, rows, index, candidates, whole, listed, out, logprobs)
@@ -827,6 +837,24 @@ def _argmax_rows(x: torch.Tensor) -> list[int]:
 def _greedy_logprobs(row: torch.Tensor, pos: int, top_n: int) -> RowLogprobs:
     logp = torch.log_softmax(row.float(), 0)
     return RowLogprobs(float(logp[pos]), tuple(_largest(logp, top_n, float("-inf"))))
+
+
+def _greedy_logprobs_rows(logits: torch.Tensor, at: list[int], tokens: list[int],
+                          top_n: list[int]) -> list[RowLogprobs]:
+    """`_greedy_logprobs` of logits[at[k]] at tokens[k] with top_n[k] alternatives, for every k at once."""
+    device = logits.device
+    logp = torch.log_softmax(logits.index_select(0, torch.tensor(at, device=device)).float(), 1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=device).unsqueeze(1)).squeeze(1).tolist()
+    n = min(max(top_n), logp.shape[1])
+    values = positions = None
+    if n:
+        best, where = torch.topk(logp, n)
+        values, positions = best.tolist(), where.tolist()
+    out = []
+    for k, m in enumerate(top_n):
+        top = () if not m else tuple((p, v) for v, p in zip(values[k][:m], positions[k][:m]) if v > float("-inf"))
+        out.append(RowLogprobs(chosen[k], top))
+    return out
 
 
 def _sample_row(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | None]:

@@ -50,10 +50,12 @@ class Phase:
 PHASES = (
     Phase("setup", "Versions", "the carried wheels import; torch, transformers, triton, xgrammar and the device"),
     Phase("correctness", "Correctness on CUDA",
-          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_cuda_paths.py, tests/test_batched_sampling.py, "
-          "tests/test_paged_kernel.py): CUDA vs CPU reference, compiled body vs eager, sparse vs full head, logprobs "
-          "and min_tokens, the KV cache sized from the device, the batched sampler, Triton's paged attention kernel "
-          "vs SDPA, the engine-core process end to end"),
+          "`pytest -m cuda` with CUDA_LAUNCH_BLOCKING=1 (tests/test_batched_sampling.py, tests/test_paged_kernel.py, "
+          "tests/test_cuda_paths.py): the batched sampler, Triton's paged attention kernel vs SDPA, the paged runner "
+          "vs the CPU reference in fp32 and bf16, the compiled body's CUDA graphs warmed and replayed on the device "
+          "thread, xgrammar's mask kernel vs the CPU path, the step sampler, the LM head's choice, servers on "
+          "cuda:N (greedy and logprobs as the CPU's, ids past the embedding refused, compiled with the KV cache "
+          "sized from the device), sparse vs full head, the engine-core process end to end, --tp 2 on two GPUs"),
     Phase("realistic", "Realistic shapes",
           "one layer's decode attention, SDPA vs Triton's paged kernel (`structd bench attention`); "
           "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
@@ -142,8 +144,10 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
 
     add("setup", "versions", [*python(), str(repo / "scripts" / "device" / "versions.py")], kind="versions")
     add("correctness", "pytest-cuda",
-        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_cuda_paths.py", "tests/test_batched_sampling.py",
-         "tests/test_paged_kernel.py", "-q",
+        # The files without servers first: a step cut off by its budget has run the cheap checks. -v: each test's
+        # outcome is in stdout.log as it ends (the summary's source when no junit.xml was written).
+        [*python(), "-m", "pytest", "-m", "cuda", "tests/test_batched_sampling.py", "tests/test_paged_kernel.py",
+         "tests/test_cuda_paths.py", "-v",
          "-p", "no:cacheprovider",
          # A test that hangs (a CUDA graph, a core that never answers) fails alone; the others still run.
          "-o", "addopts=", "-rs", "--timeout=100", f"--junitxml={work / 'pytest-cuda' / 'junit.xml'}"],

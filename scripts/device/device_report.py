@@ -11,6 +11,7 @@ section as it is.
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -44,9 +45,16 @@ def _num(x, fmt="{:.2f}") -> str:
 # --- summaries of each kind of step's output -------------------------------------------------------
 
 
-def summarize_pytest(junit: Path) -> dict:
-    """Counts and the names of failed and skipped tests (with the skip reason) from pytest's JUnit XML."""
+# A test's outcome line in `pytest -v` output: "tests/x.py::name[id] PASSED  [ 10%]", a skip's reason after it.
+_VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((.*)\))?")
+
+
+def summarize_pytest(junit: Path, stdout: Path | None = None) -> dict:
+    """Counts and the names of failed and skipped tests (with the skip reason) from pytest's JUnit XML; without
+    it (pytest cut off at the step's timeout writes none), from the `-v` lines of what it printed so far."""
     if not junit.is_file():
+        if stdout is not None and stdout.is_file():
+            return _summarize_verbose(stdout.read_text(errors="replace"))
         return {"note": "no junit.xml (pytest did not get to write it)"}
     out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "skips": []}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -59,6 +67,25 @@ def summarize_pytest(junit: Path) -> dict:
             out["skips"].append({"test": name, "reason": (s.get("message") or "")[:200]})
         else:
             out["passed"] += 1
+    return out
+
+
+def _summarize_verbose(text: str) -> dict:
+    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "skips": [],
+           "note": "from pytest's output: it was cut off before writing junit.xml"}
+    for line in text.splitlines():
+        if not (m := _VERBOSE_LINE.match(line.strip())):
+            continue
+        name, outcome, reason = m.groups()
+        test = name.rsplit("/", 1)[-1]
+        if outcome in ("PASSED", "XFAIL", "XPASS"):
+            out["passed"] += 1
+        elif outcome == "SKIPPED":
+            out["skipped"] += 1
+            out["skips"].append({"test": test, "reason": (reason or "")[:200]})
+        else:
+            out["failed" if outcome == "FAILED" else "errors"] += 1
+            out["failures"].append({"test": test, "message": outcome})
     return out
 
 
