@@ -23,11 +23,12 @@ run: setup
 	$(VENV)/bin/structd up
 
 # Two workers, each taking whole files: a module's servers start once, on the worker that runs it
-# (a session fixture's start once per worker). TEST_WORKERS=0 runs everything in this process.
+# (a session fixture's start once per worker). Files are handed out in collection order, which
+# tests/scheduling.py makes longest first. TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench-grammar: setup
 	$(VENV)/bin/structd bench grammar

@@ -24,8 +24,9 @@ from grammar_svc.config import GrammarServiceConfig
 from grammar_svc.server import GrammarServer
 from structd.bench.harness import ServiceThread
 
-# Every gateway a test starts is checked against the openai SDK's types (issue 27, item 7).
-pytest_plugins = ["tests.openai_contract"]
+# Every gateway a test starts is checked against the openai SDK's types (issue 27, item 7); under xdist the
+# longest files start first (tests/scheduling.py).
+pytest_plugins = ["tests.openai_contract", "tests.scheduling"]
 REPO = Path(__file__).resolve().parent.parent
 # Reference data lives beside the working checkout (../shared/data); a clone made elsewhere on the same
 # machine (CI's clean clone) finds it through STRUCTD_SHARED_DATA or the workspace's fixed location.
