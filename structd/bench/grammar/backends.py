@@ -169,6 +169,8 @@ def pass_aggregates(p: dict) -> dict:
         "memory_bytes": {b: summarize(v) for b, v in memory.items()},
         "walks": p.get("walks", {}),
         "refusals": sorted({r["error"] for r in records if r["status"] != "ok"})[:40],
+        # Each schema's outcome, in the order sent (the file's, seeded-shuffled).
+        "records": [{k: r.get(k) for k in ("schema", "status", "seconds", "backend", "reason")} for r in records],
     }
 
 
@@ -199,6 +201,8 @@ def run_backend_coverage(args) -> dict:
             finally:
                 if server is not None:
                     server.stop()
+            for rec, i in zip(p["records"], order):
+                rec["schema"] = f"{schemas[i].get('dataset', '')}/{schemas[i].get('name', i)}"
             agg = pass_aggregates(p)
             progress(f"{backend} x{concurrency}: served {agg['served']:.1%}, {agg['statuses']}")
             passes.append(agg)
