@@ -328,12 +328,60 @@ def test_a_row_sampler_is_made_without_waiting_for_the_device():
     the host; adjust_rows copies a step's biases over on the device thread)."""
     from inference_svc.engine.sampling import RowSampler
 
-    stream = torch.cuda.current_stream(DEVICE)
-    torch.cuda._sleep(2_000_000_000)  # keeps the device busy for about a second (cycles, not seconds)
-    sampler = RowSampler(sampling_options(dict(temperature=1.0, seed=3, logit_bias={5: 1.0, 9: -2.0})), DEVICE)
-    assert not stream.query(), "making a RowSampler waited for the device"
-    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
+    try:
+        sampler = RowSampler(sampling_options(dict(temperature=1.0, seed=3, logit_bias={5: 1.0, 9: -2.0})), DEVICE)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert sampler.bias[0].device.type == "cpu" and sampler.generator.device.type == "cuda"
+
+
+def _sampled_step(device: str, copies: int, step: int = 0):
+    """(StepSampler, logits on `device`, plan, samplers, allowed ids) for SAMPLED_ROWS repeated `copies` times
+    under dense masks, with an EOS ban, a repetition penalty and a logit bias."""
+    from inference_svc.engine.sampling import RowSampler
+    from inference_svc.engine.step_sampler import RowPlan
+    from shared.codec import words_for_vocab
+
+    kinds = len(SAMPLED_ROWS)
+    n, width = kinds * copies, VOCAB + 64  # a padded head: 64 columns past the tokenizer
+    rng = np.random.default_rng(100 + step)
+    allowed = [np.flatnonzero(rng.random(VOCAB) < p) for p in (0.5, 0.01, 0.3, 0.9, 0.2, 0.6, 0.001, 0.4)]
+    allowed[6] = np.union1d(allowed[6], [7])  # the biased id is allowed
+    allowed = allowed * copies
+    sampler, host = _step_sampler(device, n, words_for_vocab(width))
+    for i, ids in enumerate(allowed):
+        _set_bits(host[i].numpy().view(np.uint32), ids)
+    history = np.array([7, 11, 13], dtype=np.int64)
+    plan = RowPlan(sample=list(range(n)), masked=[(i, None) for i in range(n)],
+                   ban_eos=[1 + kinds * c for c in range(copies)],
+                   penalties=[(7 + kinds * c, history, 1.3) for c in range(copies)])
+    plan.bias = [(6 + kinds * c, *RowSampler(sampling_options(SAMPLED_ROWS[6]), device).bias) for c in range(copies)]
+    samplers = [RowSampler(sampling_options(spec), device) for spec in SAMPLED_ROWS * copies]
+    logits = torch.randn(n, width, generator=torch.Generator().manual_seed(step)) * 4
+    return sampler, logits.to(device), plan, samplers, allowed
+
+
+def test_the_step_sampler_waits_on_the_host_per_group_not_per_row():
+    """A step of 8 rows (every kind of row once) and one of 16 (each twice) wait on the host as often: the
+    waits are per group of rows, never per row (torch's sync debug mode counts them)."""
+    import warnings
+
+    def waits(copies: int) -> int:
+        sampler, logits, plan, samplers, _ = _sampled_step(DEVICE, copies)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                drawn = sampler.sample(logits, plan, samplers)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert not [d for d in drawn if isinstance(d, Exception)], drawn
+        return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+    one = waits(1)
+    assert 0 < one == waits(2)
 
 
 def test_the_step_sampler_on_cuda_draws_what_the_masks_allow_as_the_cpu_does():
@@ -342,36 +390,23 @@ def test_the_step_sampler_on_cuda_draws_what_the_masks_allow_as_the_cpu_does():
     masked distribution; seeded rows drawn again alike, and alike when drawn alone."""
     from inference_svc.engine.sampling import RowSampler
     from inference_svc.engine.step_sampler import RowPlan
-    from shared.codec import words_for_vocab
 
-    n, width = len(SAMPLED_ROWS), VOCAB + 64  # a padded head: 64 columns past the tokenizer
-    words = words_for_vocab(width)
-    rng = np.random.default_rng(1)
-    history = np.array([7, 11, 13], dtype=np.int64)
     for step in range(5):
-        logits = torch.randn(n, width, generator=torch.Generator().manual_seed(step)) * 4
-        allowed = [np.flatnonzero(rng.random(VOCAB) < p) for p in (0.5, 0.01, 0.3, 0.9, 0.2, 0.6, 0.001, 0.4)]
-        allowed[6] = np.union1d(allowed[6], [7])  # the biased id is allowed
         results = {}
         for device in ("cpu", DEVICE):
-            sampler, host = _step_sampler(device, n, words)
-            for i, ids in enumerate(allowed):
-                _set_bits(host[i].numpy().view(np.uint32), ids)
-            plan = RowPlan(sample=list(range(n)), masked=[(i, None) for i in range(n)], ban_eos=[1],
-                           penalties=[(7, history, 1.3)])
-            plan.bias = [(6, *RowSampler(sampling_options(SAMPLED_ROWS[6]), device).bias)]
-            samplers = [RowSampler(sampling_options(spec), device) for spec in SAMPLED_ROWS]
-            drawn = sampler.sample(logits.to(device, copy=True), plan, samplers)
+            sampler, logits, plan, samplers, allowed = _sampled_step(device, 1, step)
+            drawn = sampler.sample(logits.clone(), plan, samplers)
             assert not [d for d in drawn if isinstance(d, Exception)], drawn
             results[device] = drawn
             if device == DEVICE:
-                again = sampler.sample(logits.to(device, copy=True), plan, [RowSampler(sampling_options(s), device)
-                                                                 for s in SAMPLED_ROWS])
+                again = sampler.sample(logits.clone(), plan, [RowSampler(sampling_options(s), device)
+                                                              for s in SAMPLED_ROWS])
                 assert [t for t, _ in again] == [t for t, _ in drawn], "seeded rows drew otherwise"
                 alone = RowPlan(sample=[3], masked=[(3, None)])
-                (token, _), = sampler.sample(logits.to(device, copy=True), alone, [RowSampler(sampling_options(SAMPLED_ROWS[3]),
-                                                                                   device)])
+                (token, _), = sampler.sample(logits.clone(), alone,
+                                             [RowSampler(sampling_options(SAMPLED_ROWS[3]), device)])
                 assert token == drawn[3][0], "a seeded row drew otherwise beside other rows"
+        logits = logits.cpu()
         for i, ((token, lp), (cpu_token, cpu_lp)) in enumerate(zip(results[DEVICE], results["cpu"])):
             assert token < VOCAB and token in set(allowed[i].tolist()), (step, i, token)
             if SAMPLED_ROWS[i]["temperature"] == 0.0:
@@ -391,7 +426,8 @@ def test_the_lm_head_choice_is_logged_on_cuda(caplog):
     choice in the log with whether the sparse head is on."""
     with caplog.at_level(logging.INFO, logger="inference_svc.model.model_runner"):
         runner = make_runner(ensure_embedded_model(progress=None), DEVICE)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LM head: ")]
+    lines = [r.getMessage() for r in caplog.records if r.name == "inference_svc.model.model_runner"
+             and r.getMessage().startswith("LM head: ")]
     assert runner.lm_head.name == "plain" and runner.lm_head.screen is None
     want = "LM head: plain kernel" + ("" if runner.lm_head.exact_columns else " (no sparse head)")
     assert lines == [want], caplog.text
