@@ -8,7 +8,7 @@
 - auto (a dedicated server with a small --fallback-after-seconds): a schema xgrammar compiles for tens of
   seconds is served by llguidance (reason xgrammar_slow), remembered in the cache; a pattern xgrammar
   refuses is served by llguidance (xgrammar_refused); one both refuse keeps xgrammar's INVALID_ARGUMENT; one
-  llguidance refuses and xgrammar cannot compile within the deadline is INVALID_ARGUMENT naming llguidance's reason;
+  llguidance refuses and xgrammar has not compiled by the budget is INVALID_ARGUMENT then, naming llguidance's reason;
   grammar_svc_backend_choices_total counts each choice.
 - A grammar replica on --grammar-backend llguidance serves constrained requests end to end through the
   inference service: the outputs are valid and checked.
@@ -264,15 +264,15 @@ def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, 
 
 
 def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):
-    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: past a
-    short deadline that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED, and asked again
-    (xgrammar's timeout remembered) the same answer comes without another compile."""
+    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: at the
+    fallback budget that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED at the deadline
+    (none of the calls waits for it: a 60 s deadline), and so again when asked again."""
     schema = {"title": salt(), **TOO_SLOW_SCHEMA,
               "patternProperties": {".*": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
     for _ in range(2):
         with pytest.raises(grpc.RpcError) as info:
             call(auto_server.target, lambda client: client.compile(
-                tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=2.0, rpc_timeout=120))
+                tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=60.0, rpc_timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "not disjoint" in info.value.details() and "xgrammar did not compile it" in info.value.details()
 
