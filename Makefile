@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench-grammar clean
+.PHONY: setup run test mutation bench-grammar clean
 
 setup: $(STAMP)
 	$(PY) -m shared.protogen
@@ -29,6 +29,11 @@ TEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# Mutation testing of the critical modules (docs/mutation.md); MUTATION_ARGS='--only shared/status.py' for one.
+mutation: setup
+	$(PY) -m pip install --quiet -e '.[mutation]'
+	$(PY) scripts/mutation/run $(MUTATION_ARGS)
 
 bench-grammar: setup
 	$(VENV)/bin/structd bench grammar
