@@ -210,10 +210,13 @@ def test_compiled_body_warmed_on_the_device_thread_equals_eager_there(tmp_path):
     """Warmed up (each bucket run twice) on a device thread and run there: the eager body's tokens, no
     recompile, no graph recorded after the warm-up, no cudagraph skip; a forward from another thread is
     refused rather than recorded again into a second pool."""
+    import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
 
     from inference_svc.model.compiled_forward import CompiledBody, CompileSettings
 
+    # Else every CUDA-graph server refuses to start (check_graph_partition): say so first.
+    assert inductor_config.graph_partition, "this torch has inductor's graph partitioning off"
     model_dir = ensure_embedded_model(tmp_path / "model", TINY, progress=None)
     eager, compiled = make_runner(model_dir, DEVICE), make_runner(model_dir, DEVICE)
     index = compiled.device.index or 0
@@ -338,7 +341,7 @@ def test_a_row_sampler_is_made_without_waiting_for_the_device():
 
 def _sampled_step(device: str, copies: int, step: int = 0):
     """(StepSampler, logits on `device`, plan, samplers, allowed ids) for SAMPLED_ROWS repeated `copies` times
-    under dense masks, with an EOS ban, a repetition penalty and a logit bias."""
+    under dense masks, with an EOS ban, a repetition penalty, a logit bias and rows before their min_tokens."""
     from inference_svc.engine.sampling import RowSampler
     from inference_svc.engine.step_sampler import RowPlan
     from shared.codec import words_for_vocab
@@ -355,7 +358,8 @@ def _sampled_step(device: str, copies: int, step: int = 0):
     history = np.array([7, 11, 13], dtype=np.int64)
     plan = RowPlan(sample=list(range(n)), masked=[(i, None) for i in range(n)],
                    ban_eos=[1 + kinds * c for c in range(copies)],
-                   penalties=[(7 + kinds * c, history, 1.3) for c in range(copies)])
+                   penalties=[(7 + kinds * c, history, 1.3) for c in range(copies)],
+                   before_min_tokens=[r + kinds * c for c in range(copies) for r in (2, 5)])
     plan.bias = [(6 + kinds * c, *RowSampler(sampling_options(SAMPLED_ROWS[6]), device).bias) for c in range(copies)]
     samplers = [RowSampler(sampling_options(spec), device) for spec in SAMPLED_ROWS * copies]
     logits = torch.randn(n, width, generator=torch.Generator().manual_seed(step)) * 4

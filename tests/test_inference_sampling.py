@@ -513,6 +513,23 @@ def test_ban_takes_eos_out_of_candidates_unless_nothing_else_is_left():
     assert torch.equal(x, torch.zeros(1, 20))
 
 
+def test_ban_over_many_rows_at_once_is_the_row_by_rows():
+    """ban_rows_unless_only (no host wait) writes what ban_unless_only writes row by row: -inf at the banned
+    ids, a row left with nothing finite restored, rows not listed untouched."""
+    from inference_svc.engine.sampling import ban_rows_unless_only
+
+    x = torch.randn(5, 20, generator=torch.Generator().manual_seed(9))
+    x[1] = NEG_INF
+    x[1, 2], x[1, 9] = 0.5, -1.0  # allows only EOS
+    x[3, 4] = NEG_INF
+    bans = {0: EOS, 1: EOS, 3: np.array([0, 4, 7], dtype=np.int64), 4: np.array([19], dtype=np.int64)}
+    by_row, at_once = x.clone(), x.clone()
+    for i, banned in bans.items():
+        ban_unless_only(by_row, i, banned, None)
+    ban_rows_unless_only(at_once, list(bans), list(bans.values()))
+    assert torch.equal(at_once, by_row) and torch.equal(at_once[2], x[2]) and torch.equal(at_once[1], x[1])
+
+
 def test_ban_writes_minus_inf_unless_nothing_else_is_left():
     x = torch.randn(2, 20, generator=torch.Generator().manual_seed(8))
     x[1] = NEG_INF

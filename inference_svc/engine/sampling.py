@@ -457,6 +457,25 @@ def ban_unless_only(logits: torch.Tensor, row: int, banned: np.ndarray,
 
 
 @torch.inference_mode()
+def ban_rows_unless_only(logits: torch.Tensor, rows: Sequence[int], banned: Sequence[np.ndarray]) -> None:
+    """`ban_unless_only` for rows without candidate lists, all at once and with no host wait: -inf at each
+    row's banned ids, and the row's values back where that leaves it nothing finite. `logits` must be
+    contiguous (the ops write through a flat view); each row's banned ids are distinct columns."""
+    if not rows:
+        return
+    width = logits.shape[1]
+    flat = logits.view(-1)
+    device = logits.device
+    lengths = [b.size for b in banned]
+    at = torch.from_numpy(np.concatenate([b + r * width for r, b in zip(rows, banned)])).to(device)
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths)).to(device)
+    before = flat.index_select(0, at)
+    flat.index_fill_(0, at, float("-inf"))
+    empty = ~torch.isfinite(logits.index_select(0, torch.tensor(list(rows), device=device)).amax(1))
+    flat.index_copy_(0, at, torch.where(empty[owner], before, flat.index_select(0, at)))
+
+
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence[int] | None = None,
            candidates: Sequence[np.ndarray | None] | None = None) -> list[int]:
     """One token id per sampler; rows[i] draws from logits[row_index[i]] (default: row i).

@@ -21,8 +21,8 @@ import torch
 
 from inference_svc.engine.masking import apply_masks
 from inference_svc.engine.sampling import (RowLogprobs, RowSampler, add_at, adjust_rows, apply_occurrence_penalties,
-                                           apply_repetition_penalty, ban_unless_only, finite_at, numpy_fast,
-                                           sample_with_logprobs)
+                                           apply_repetition_penalty, ban_rows_unless_only, ban_unless_only, finite_at,
+                                           numpy_fast, sample_with_logprobs)
 from shared import errors
 from shared.codec import SparseMask
 
@@ -81,14 +81,21 @@ class StepSampler:
         if plan.ban_eos:
             idx = torch.tensor(plan.ban_eos, device=logits.device)
             logits[idx.unsqueeze(1), self._eos.unsqueeze(0)] = float("-inf")
+        # No EOS before min_tokens, unless EOS is all the row allows: a grammar that has completed allows nothing
+        # else, and the constraint wins (the proto: it "still ends the output where its grammar completes"); any
+        # other token would break the constraint, and none would fail the request. Rows without an allowed-id
+        # list are banned together (row by row, each would wait on the host: on a GPU, for the device).
+        whole, bans = [], []
         for i in plan.before_min_tokens:
-            # No EOS before min_tokens, unless EOS is all the row allows: a grammar that has completed
-            # allows nothing else, and the constraint wins (the proto: it "still ends the output where its
-            # grammar completes"); any other token would break the constraint, and none would fail the request.
             banned = plan.min_tokens_bans.get(i, self._eos_np) if plan.min_tokens_bans else self._eos_np
-            allowed = ban_unless_only(logits, i, banned, restrict.get(i))
-            if allowed is not None:
-                restrict[i] = allowed
+            if i in restrict or not logits.is_contiguous():
+                allowed = ban_unless_only(logits, i, banned, restrict.get(i))
+                if allowed is not None:
+                    restrict[i] = allowed
+            else:
+                whole.append(i)
+                bans.append(banned)
+        ban_rows_unless_only(logits, whole, bans)
         rows = plan.sample
         candidates = [restrict.get(i) for i in rows] if restrict else [None] * len(rows)
         out: list[int | Exception] = [0] * len(rows)
