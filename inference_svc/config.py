@@ -9,7 +9,6 @@ from pathlib import Path
 
 from inference_svc.api.model_family import bundled_names
 from inference_svc.model.model_loading import DTYPES, reference_problem
-from inference_svc.model.paged_kernel import BACKENDS as ATTENTION_BACKENDS
 from shared.flags import FlagSet
 from shared.tls import (ClientTls, ServerTls, add_client_flags, add_server_flags, client_tls_from_args,
                         server_tls_from_args)
@@ -23,6 +22,8 @@ COMPILE_MODES = ("off", "default", "max-autotune")
 COMPILE_CHOICES = ("auto", *COMPILE_MODES)
 ENGINE_PROCESS_CHOICES = ("auto", "on", "off")
 LM_HEAD_KERNEL_CHOICES = ("auto", "plain")
+# Here rather than beside the kernel: every `structd` command builds this parser, and the kernel imports torch.
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
 @dataclass(frozen=True)

@@ -272,6 +272,16 @@ def test_grammar_bad_configuration_exits_nonzero(argv, env, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_command_line_is_read_without_the_model_libraries():
+    """Every `structd` command builds the whole parser, each service's flags included: a refused flag, `up`,
+    `generate` and the gateway load no model, and pay no torch, xgrammar or transformers import for it."""
+    probe = ("import sys\nfor name in ('torch', 'xgrammar', 'transformers'):\n    sys.modules[name] = None\n"
+             "from structd import cli\ncli.build_parser({})\n")
+    proc = subprocess.run([PYTHON, "-c", probe], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=EXIT_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_grammar_sigterm_drains_and_exits_zero(grammar_proc):
     """Runs last in this module: it stops the module's server."""
     pid = grammar_proc.popen.pid

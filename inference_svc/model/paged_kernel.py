@@ -27,7 +27,8 @@ import functools
 
 import torch
 
-BACKENDS = ("auto", "sdpa", "triton")
+from inference_svc.config import ATTENTION_BACKENDS as BACKENDS
+
 # Keys per tile: a power of two, enough to keep a warp's loads wide on a GPU.
 BLOCK_N = 32
 
