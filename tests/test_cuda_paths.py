@@ -41,6 +41,7 @@ import logging
 import random
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -537,8 +538,6 @@ def test_the_device_thread_loaded_the_model_and_runs_on_the_served_device(cuda_s
     srv, client = cuda_server
     index = torch.device(served_device()).index
     assert on_device_thread(srv, lambda: torch.cuda.current_device()) == index
-    import threading
-
     assert srv.server.stack.loaded_on == on_device_thread(srv, lambda: threading.current_thread().name)
     assert srv.server.engine.runner.device == torch.device("cuda", index)
     out = client.complete("Pick:", max_tokens=8, choice=["alpha", "beta"], timeout=120)
