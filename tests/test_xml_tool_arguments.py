@@ -21,10 +21,12 @@ GLM = load_family("glm")
 MINIMAX = load_family("minimax")
 DSML = load_family("deepseek_v32")
 
-SCHEMA = {"type": "object", "properties": {
+SCHEMA = {"type": "object", "$defs": {"N": {"type": "integer"}}, "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
     "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "scale": {"type": "number"},
-    "tags": {"type": "array", "items": {"type": "string"}}, "flag": {"type": ["boolean", "null"]}}}
+    "tags": {"type": "array", "items": {"type": "string"}}, "flag": {"type": ["boolean", "null"]},
+    "ref": {"$ref": "#/$defs/N"}, "all": {"allOf": [{"type": "integer"}, {"minimum": 0}]},
+    "code": {"type": "string"}, "short": {"type": "string", "maxLength": 4}, "a>b": {"type": "string"}}}
 
 
 def qwen_call(name: str, *params: tuple[str, str]) -> str:
@@ -61,6 +63,13 @@ TYPED = [
     pytest.param(("flag", "null"), {"flag": None}, id="null"),
     pytest.param(("other", "[1, 2]"), {"other": [1, 2]}, id="undeclared-array-is-json"),
     pytest.param(("other", "12"), {"other": "12"}, id="undeclared-scalar-is-text"),
+    pytest.param(("ref", "5"), {"ref": 5}, id="ref-to-an-integer"),
+    pytest.param(("all", "5"), {"all": 5}, id="allof-integer"),
+    pytest.param(("code", "    def f():\n        pass\n"), {"code": "    def f():\n        pass\n"},
+                 id="code-keeps-its-indentation-and-last-newline"),
+    pytest.param(("short", "  ab  "), {"short": "ab"}, id="bounded-string-whitespace-is-layout"),
+    pytest.param(("a>b", "x"), {"a>b": "x"}, id="declared-name-with-a-bracket"),
+    pytest.param(("scale", "1e400"), {"scale": "1e400"}, id="number-past-json-stays-text"),
 ]
 
 
@@ -89,6 +98,12 @@ FAMILY_CALLS = [
 def test_each_xml_family_reads_its_documented_form(family, text, split):
     content, calls, _ = parse(family, text, split)
     assert (content, calls) == ("", [("get_weather", {"city": "Paris", "days": 3})])
+
+
+def test_glm_raw_values_keep_their_whitespace():
+    """GLM's template writes no layout inside <arg_value>: a plain string's spaces and newlines are its own."""
+    text = "<tool_call>get_weather<arg_key>code</arg_key><arg_value>  x = 1\n</arg_value></tool_call>"
+    assert parse(GLM, text)[1] == [("get_weather", {"code": "  x = 1\n"})]
 
 
 def test_dsml_says_which_values_are_text():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 import threading
@@ -575,33 +576,50 @@ class _XmlReader:
 
     xgrammar's XML styles write a value as raw text where its property's
     schema takes a string, and as JSON otherwise (a property that takes
-    either: JSON when it parses as a type the schema takes); whitespace
-    around a value and between tags is layout (Qwen3-Coder's template puts
-    each value on its own line). A raw value ends at the first end marker
-    (xgrammar's grammar excludes the marker from raw text); a JSON value at
-    the first end marker after which it parses.
+    either: JSON when it parses as a type the schema takes). xgrammar's
+    grammar puts free whitespace around every value but a plain string
+    (`"type": "string"` with no enum, const, length, pattern or format):
+    there it is layout and dropped; a plain string keeps its own, but for
+    the one newline on each side that Qwen3-Coder's template writes (code
+    keeps its indentation and its last newline). A raw value ends at the first end
+    marker (xgrammar's grammar excludes the marker from raw text); a JSON
+    value at the first end marker after which it parses. Keys are read as
+    the tool's declared property names first (a name may hold characters
+    that a key pattern would stop at), then as any name.
     """
 
     def __init__(self, fmt: XmlArguments, call_end: str):
         self.key_prefix = fmt.key_prefix
         self.end = fmt.parameter_end
         self.call_end = call_end.lstrip(_SPACE)  # whitespace before it is layout
-        begin = re.escape(fmt.parameter_begin)
-        begin = begin.replace(re.escape(KEY_FIELD), r'(?P<key>[^<>"\n]+?)')
-        begin = begin.replace(re.escape(STRING_FIELD), "(?P<string>true|false)")
-        value = f"[{_SPACE}]*" + re.escape(fmt.value_begin) if fmt.value_begin else ""
-        self._begin = re.compile(begin + value)
+        self._fmt = fmt
+        self._newline_layout = fmt.style == "qwen_xml"
+        self._patterns: dict[tuple[str, ...], re.Pattern] = {}
+
+    def _begin(self, names: tuple[str, ...]) -> re.Pattern:
+        pattern = self._patterns.get(names)
+        if pattern is None:
+            declared = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+            key = f"(?P<key>{declared + '|' if declared else ''}[^<>\"\n]+?)"
+            begin = re.escape(self._fmt.parameter_begin).replace(re.escape(KEY_FIELD), key)
+            begin = begin.replace(re.escape(STRING_FIELD), "(?P<string>true|false)")
+            value = f"[{_SPACE}]*" + re.escape(self._fmt.value_begin) if self._fmt.value_begin else ""
+            pattern = self._patterns[names] = re.compile(begin + value)
+        return pattern
 
     def parameters(self, text: str, pos: int, schema: dict | None) -> tuple[list[tuple[str, object]], int]:
         """The parameters closed in `text` from `pos`, and where the text after the last of them starts."""
         params: list[tuple[str, object]] = []
         props = schema.get("properties") if isinstance(schema, dict) else None
-        while (m := self._begin.match(text, _skip_space(text, pos))) is not None:
+        props = props if isinstance(props, dict) else {}
+        begin = self._begin(tuple(k for k in props if isinstance(k, str)))
+        while (m := begin.match(text, _skip_space(text, pos))) is not None:
             key, value_at = m["key"], m.end()
-            prop = props.get(key) if isinstance(props, dict) else None
+            prop = _resolve(props.get(key), schema)
             end = text.find(self.end, value_at)
             while end >= 0:
-                value = _xml_value(text[value_at:end], prop, m.groupdict().get("string"))
+                value = _xml_value(text[value_at:end], prop, schema, m.groupdict().get("string"),
+                                   self._newline_layout)
                 if value is not _NOT_JSON:
                     break
                 end = text.find(self.end, end + 1)
@@ -612,28 +630,54 @@ class _XmlReader:
         return params, pos
 
 
-def _xml_value(text: str, schema: object, string: str | None) -> object:
+def _xml_value(text: str, schema: object, root: object, string: str | None, newline_layout: bool) -> object:
     """A parameter tag's value: raw text or JSON, as its property's schema (or DeepSeek's string=) says."""
     stripped = text.strip(_SPACE)
-    types = _json_types(schema)
+    types = _json_types(schema, root)
+    plain = isinstance(schema, dict) and schema.get("type") == "string" and not any(
+        k in schema for k in ("enum", "const", "maxLength", "minLength", "pattern", "format"))
+    raw = (_unwrap_newlines(text) if newline_layout else text) if plain else stripped
     if string == "true" or (string is None and types == {"string"}):
-        return stripped
+        return raw
     try:
         value = json.loads(stripped, parse_constant=_reject_constant)
     except (ValueError, RecursionError):  # the model's text: not JSON (raw text, or cut by an end marker inside it)
-        return stripped if string is None and (types is None or "string" in types) else _NOT_JSON
+        return raw if string is None and (types is None or "string" in types) else _NOT_JSON
+    if isinstance(value, float) and not math.isfinite(value):  # 1e400: JSON has no such number, keep the text
+        return stripped
     if string == "false":
         return value
     kind = _json_type(value)
     if types is None:  # a property without a type: raw text, or a JSON array or object (xgrammar's xml_any)
-        return value if kind in ("array", "object") else stripped
+        return value if kind in ("array", "object") else raw
     if kind in types or (kind == "integer" and "number" in types):
-        return value if kind != "string" else stripped
-    return stripped if "string" in types else _NOT_JSON
+        return value if kind != "string" else raw
+    return raw if "string" in types else _NOT_JSON
 
 
-def _json_types(schema: object) -> set[str] | None:
+def _unwrap_newlines(text: str) -> str:
+    """Text less the one newline on each side that Qwen3-Coder's template puts around a value."""
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _resolve(schema: object, root: object, depth: int = 0) -> object:
+    """`schema` with a local $ref followed (into the tool's own schema), as xgrammar's grammar follows it."""
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and depth < 32:
+        ref = schema["$ref"]
+        if not ref.startswith("#"):
+            return schema
+        node = root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        schema, depth = node, depth + 1
+    return schema
+
+
+def _json_types(schema: object, root: object = None) -> set[str] | None:
     """The JSON types `schema` admits, or None where it does not say."""
+    schema = _resolve(schema, root)
     if not isinstance(schema, dict):
         return None
     if "const" in schema:
@@ -647,8 +691,11 @@ def _json_types(schema: object) -> set[str] | None:
         return {k for k in kind if isinstance(k, str)}
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
-            branches = [_json_types(b) for b in schema[key]]
+            branches = [_json_types(b, root) for b in schema[key]]
             return None if any(b is None for b in branches) else set().union(*branches)
+    if isinstance(schema.get("allOf"), list):
+        said = [t for t in (_json_types(b, root) for b in schema["allOf"]) if t is not None]
+        return set.intersection(*said) if said else None
     return None
 
 
