@@ -218,7 +218,7 @@ class GrammarBackend:
                 if isinstance(e, InvalidGrammarError):
                     # llguidance refuses it and xgrammar is past the budget: refused now, not at the deadline. Of
                     # the sample's schemas llguidance refuses, none that xgrammar had not compiled (or refused)
-                    # within the budget finished within the deadline (docs/benchmarks.md).
+                    # within the budget finished within the deadline (docs/benchmarks.md, "Backend coverage").
                     first.cancel()
                     raise _neither_serves(spec, self.fallback_after_seconds, e) from None
                 # llguidance ran out of time: xgrammar's compile, still running, is the answer after all.
