@@ -1,5 +1,6 @@
 """`structd bench validity` through the CLI on three small schemas (not a timing test): every document
-structd's grammar lets a random walk write validates, and the JSON, PNG and table say so by category."""
+structd's grammar (and the grammar service's llguidance backend) lets a random walk write validates, and the
+JSON, PNG and table say so by category."""
 
 from __future__ import annotations
 
@@ -27,17 +28,19 @@ def _jsonl(path, rows):
 def test_small_run_through_the_cli(tmp_path, capsys):
     rc = cli.main(["bench", "validity", "--out", str(tmp_path), "--walks", "3", "--max-tokens", "64",
                    "--workers", "1", "--jsonschemabench", _jsonl(tmp_path / "jsb.jsonl", SCHEMAS),
-                   "--maskbench", _jsonl(tmp_path / "mb.jsonl", MASKBENCH)])
+                   "--maskbench", _jsonl(tmp_path / "mb.jsonl", MASKBENCH), "--llguidance-backend"])
     assert rc == 0
     result = json.loads((tmp_path / "validity-bench.json").read_text())
     assert result["command"] and result["machine"]
     assert [s["status"] for s in result["schemas"]] == ["ok", "ok", "ok"]
-    assert result["summary"]["engines"] == ["xgrammar", "structd", "llguidance"]
-    ours = result["summary"]["structd"]
-    assert set(ours["by_category"]) == {"jsonschemabench/Tiny", "maskbench/Handwritten"}
-    for share in ours["by_source"].values():
-        assert share["documents"] > 0 and share["valid"] == share["documents"], result["summary"]
-    assert ours["causes"] == {}
+    assert result["summary"]["engines"] == ["xgrammar", "structd", "llguidance", "structd-llguidance"]
+    # structd's grammar and the grammar service's llguidance backend (validity by backend, issue 26).
+    for engine in ("structd", "structd-llguidance"):
+        ours = result["summary"][engine]
+        assert set(ours["by_category"]) == {"jsonschemabench/Tiny", "maskbench/Handwritten"}
+        for share in ours["by_source"].values():
+            assert share["documents"] > 0 and share["valid"] == share["documents"], result["summary"]
+        assert ours["causes"] == {}
     assert (tmp_path / "validity-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "| jsonschemabench/Tiny |" in table and "| maskbench/Handwritten |" in table

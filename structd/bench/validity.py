@@ -42,6 +42,9 @@ from structd.bench.schema_samples import closing_bias, default_data, default_voc
 ENGINES = ("xgrammar", "structd")
 # The reference the issue names: another library's grammar for the same schema, on the same tokenizer.
 REFERENCE = "llguidance"
+# structd's second grammar backend (grammar_svc/compile/llguidance_backend.py): llguidance's grammar for the
+# normalised schema, walked through the service's own LlguidanceMatcher (issue 26: validity by backend).
+LLGUIDANCE_BACKEND = "structd-llguidance"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     validity_e2e.add_arguments(p)
     p.add_argument("--reference", choices=[REFERENCE, "none"], default=REFERENCE,
                    help="also walk llguidance's grammar for each schema, as a reference (bench extra)")
+    p.add_argument("--llguidance-backend", action="store_true",
+                   help=f"also walk the grammar service's llguidance backend ({LLGUIDANCE_BACKEND}: the normalised "
+                        "schema, the service's matcher)")
 
 
 # ----------------------------------------------------------------------------- one schema (in a child)
@@ -82,6 +88,18 @@ class _XgrammarWalker:
 
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+class _ServiceWalker(_XgrammarWalker):
+    """The grammar service's llguidance matcher, which has xgrammar's matcher interface."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        from grammar_svc.compile.llguidance_backend import LlguidanceMatcher
+
+        self.matcher = LlguidanceMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
 
 class _LlguidanceWalker:
@@ -115,7 +133,9 @@ def walk(compiled, vocab: list[bytes], stop_ids: set[int], closing, rng: random.
     """
     from shared.codec import allowed_ids
 
-    walker = (_LlguidanceWalker(compiled, len(vocab)) if type(compiled).__name__ == "LLMatcher"
+    kind = type(compiled).__name__
+    walker = (_LlguidanceWalker(compiled, len(vocab)) if kind == "LLMatcher"
+              else _ServiceWalker(compiled, len(vocab)) if kind == "LlguidanceGrammar"
               else _XgrammarWalker(compiled, len(vocab)))
     out = bytearray()
     for step in range(max_tokens + 1):
@@ -156,6 +176,12 @@ def run_schema(row: dict, info, vocab, closing, args, seed: int) -> dict:
                 compiled = compiler.compile_json_schema(text, **opts.xgrammar_kwargs())
             elif engine == REFERENCE:
                 compiled = _llguidance_matcher(text)
+            elif engine == LLGUIDANCE_BACKEND:
+                from grammar_svc.compile.llguidance_backend import compile_llguidance
+                from grammar_svc.compile.spec import GrammarSpec
+                from grammar_svc.types import Kind
+
+                compiled = compile_llguidance(_LLG["registered"], GrammarSpec(Kind.JSON_SCHEMA, text, opts))
             else:
                 compiled = compile_json_schema(compiler, text, opts)
         except Exception as e:  # noqa: BLE001 - the schema's failure (the library refuses it): recorded
@@ -199,7 +225,8 @@ def _llguidance_matcher(schema_text: str):
 
 
 def engines(args) -> list[str]:
-    return list(ENGINES) + ([REFERENCE] if args.reference == REFERENCE else [])
+    return (list(ENGINES) + ([REFERENCE] if args.reference == REFERENCE else [])
+            + ([LLGUIDANCE_BACKEND] if args.llguidance_backend else []))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -216,6 +243,16 @@ def run_all(args, rows: list[dict]) -> list[dict]:
         from shared.tokenizer import load_hf_tokenizer
 
         _LLG["tokenizer"] = llguidance.hf.from_tokenizer(load_hf_tokenizer(), n_vocab=len(vocab))
+    if args.llguidance_backend:
+        from grammar_svc.compile.llguidance_backend import llguidance_tokenizer
+        from grammar_svc.compile.tokenizer_registry import TokenizerRegistry
+        from shared.tokenizer import default_description
+
+        desc = default_description()
+        registered, _, _ = TokenizerRegistry(1, set).register(desc.fingerprint, desc.compressed_info(),
+                                                              desc.compressed_hf())
+        llguidance_tokenizer(registered)  # built here once, inherited by every child
+        _LLG["registered"] = registered
     results: list[dict] = [dict(source=r["source"], category=r["category"], name=r["name"], status="skipped")
                            for r in rows]
     t0 = time.monotonic()
@@ -243,7 +280,7 @@ def run_all(args, rows: list[dict]) -> list[dict]:
 
 def _rates_line(results: list[dict]) -> str:
     parts = []
-    for e in [k for k in (*ENGINES, REFERENCE) if any(k in r for r in results)]:
+    for e in [k for k in (*ENGINES, REFERENCE, LLGUIDANCE_BACKEND) if any(k in r for r in results)]:
         docs = sum(r[e]["documents"] for r in results if r.get("status") == "ok" and r[e]["status"] == "ok")
         valid = sum(r[e]["valid"] for r in results if r.get("status") == "ok" and r[e]["status"] == "ok")
         parts.append(f"{e} {valid}/{docs} valid")
