@@ -147,6 +147,9 @@ class InferenceServiceConfig:
             problems.append(f"--lm-head-kernel {self.lm_head_kernel}: use {', '.join(LM_HEAD_KERNEL_CHOICES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"--attention-backend {self.attention_backend}: use {', '.join(ATTENTION_BACKENDS)}")
+        elif self.attention_backend == "triton" and self.device == "cpu":
+            problems.append("--attention-backend triton needs a CUDA device, and --device is cpu: use "
+                            "--attention-backend auto or sdpa")
         if self.compile not in COMPILE_CHOICES:
             problems.append(f"--compile {self.compile}: use {', '.join(COMPILE_CHOICES)}")
         elif self.compile not in ("auto", "off") and self.tp > 1:

@@ -21,7 +21,7 @@ import torch
 from inference_svc.model.attention import CONTEXT_KWARG, PagedAttentionContext, paged_attention_forward
 from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 
-# id: (query lens, cached context lens, query heads, KV heads, block size, dtype)
+# id: (query lens, cached context lens, query heads, KV heads, block size, dtype[, head dim])
 CASES = {
     "decode-mixed-lengths": ([1, 1, 1, 1], [0, 5, 16, 37], 4, 4, 4, "float32"),
     "decode-gqa4": ([1, 1, 1], [3, 30, 9], 8, 2, 4, "float32"),
@@ -33,13 +33,19 @@ CASES = {
     "decode-gqa4-bf16": ([1, 1, 1], [3, 30, 9], 8, 2, 4, "bfloat16"),
     "extend-bf16": ([4, 1], [13, 6], 4, 1, 4, "bfloat16"),
     "decode-fp16": ([1, 1], [21, 5], 4, 2, 8, "float16"),
+    # Group and head sizes that are not powers of two (Qwen2.5's 7 query heads per KV head; head dim 24).
+    "decode-gqa7-head-dim-24": ([1, 1, 3], [19, 4, 10], 14, 2, 4, "float32", 24),
+    "decode-mha-3-heads": ([1, 1], [9, 33], 3, 3, 4, "float32"),
+    # A chunk over cached context longer than KERNEL_MAX_QUERY goes to SDPA beside the kernel's decode.
+    "long-extend-beside-a-decode": ([20, 1], [6, 11], 4, 2, 4, "float32"),
 }
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 HEAD_DIM = 16
 
 
 def run_case(case_id: str, device: str, seed: int = 0) -> float:
-    query_lens, context_lens, heads, kv_heads, block_size, dtype_name = CASES[case_id]
+    query_lens, context_lens, heads, kv_heads, block_size, dtype_name, *rest = CASES[case_id]
+    head_dim = rest[0] if rest else HEAD_DIM
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -50,22 +56,22 @@ def run_case(case_id: str, device: str, seed: int = 0) -> float:
     tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.long)
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    cache = PagedKVCache(KVCacheSpec(1, kv_heads, HEAD_DIM, dtype, block_size), num_blocks, device)
+    cache = PagedKVCache(KVCacheSpec(1, kv_heads, head_dim, dtype, block_size), num_blocks, device)
     for i, cached in enumerate(context_lens):  # what earlier steps wrote
         pos = torch.arange(cached)
         slots = (tables[i, pos // block_size] * block_size + pos % block_size).to(device)
-        cache.write(0, slots, torch.randn(cached, kv_heads, HEAD_DIM, generator=gen).to(device),
-                    torch.randn(cached, kv_heads, HEAD_DIM, generator=gen).to(device))
+        cache.write(0, slots, torch.randn(cached, kv_heads, head_dim, generator=gen).to(device),
+                    torch.randn(cached, kv_heads, head_dim, generator=gen).to(device))
     tokens = sum(query_lens)
-    q = torch.randn(1, heads, tokens, HEAD_DIM, generator=gen).to(device, dtype)
-    k = torch.randn(1, kv_heads, tokens, HEAD_DIM, generator=gen).to(device, dtype)
-    v = torch.randn(1, kv_heads, tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    q = torch.randn(1, heads, tokens, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(device, dtype)
     outs = []
     for kernel in (True, False):
         ctx = PagedAttentionContext.build(cache, query_lens, context_lens, tables, torch.device(device),
                                           paged_kernel=kernel)
         assert (ctx.kernel is not None) == kernel  # every case has rows for the kernel
-        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=HEAD_DIM**-0.5,
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=head_dim**-0.5,
                                          **{CONTEXT_KWARG: ctx})
         outs.append(out.float())
     return float((outs[0] - outs[1]).abs().max())

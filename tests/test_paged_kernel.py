@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend
-from tests.conftest import inference_config
+from inference_svc.model.attention import KERNEL_MAX_QUERY, PagedAttentionContext
+from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend, triton_unavailable
+from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
+from tests.conftest import inference_config, untestable_here
 from tests.paged_kernel_cases import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +40,8 @@ def run_cases(device: str, env: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
+    if (missing := triton_unavailable()) is not None:
+        untestable_here(f"the paged kernel's cases need triton: {missing}")
     return run_cases("cpu", {"TRITON_INTERPRET": "1"})
 
 
@@ -68,6 +72,8 @@ def test_the_compiled_kernel_equals_sdpa_on_cuda(on_cuda, case):
     pytest.param("triton", "cuda:1", "triton", id="triton-on-cuda-1"),
 ])
 def test_the_backend_follows_the_flag_and_the_device(requested, device, expected):
+    if expected == "triton" and (missing := triton_unavailable()) is not None:
+        untestable_here(f"auto picks triton only where it imports: {missing}")
     backend, why = resolve_backend(requested, torch.device(device))
     assert backend == expected and why
 
@@ -75,6 +81,24 @@ def test_the_backend_follows_the_flag_and_the_device(requested, device, expected
 def test_triton_asked_for_off_cuda_is_refused_naming_the_flag():
     with pytest.raises(AttentionBackendError, match="--attention-backend triton needs a CUDA device"):
         resolve_backend("triton", torch.device("cpu"))
+
+
+def test_a_long_chunk_over_cached_context_goes_to_sdpa():
+    """The kernel reads the context once per query token: a decode and a short extend go to it, a chunk of
+    more than KERNEL_MAX_QUERY tokens after cached ones (chunked prefill, a prefix-cache hit) to SDPA."""
+    cache = PagedKVCache(KVCacheSpec(1, 2, 16, torch.float32, 4), 32)
+    tables = torch.arange(30).view(3, 10)
+    long = KERNEL_MAX_QUERY + 1
+    ctx = PagedAttentionContext.build(cache, [1, 3, long], [5, 6, 7], tables, torch.device("cpu"),
+                                      paged_kernel=True)
+    assert ctx.kernel.token_index.tolist() == [0, 1, 2, 3] and ctx.decodes is None
+    (chunk,) = ctx.chunks
+    assert (chunk.q_start, chunk.q_end) == (4, 4 + long) and chunk.slots is not None
+
+
+def test_triton_on_a_cpu_device_is_refused_before_anything_loads():
+    with pytest.raises(SystemExit, match="--attention-backend triton needs a CUDA device, and --device is cpu"):
+        inference_config(["--attention-backend", "triton", "--device", "cpu"])
 
 
 def test_an_unknown_backend_is_refused_at_start():

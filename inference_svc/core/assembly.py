@@ -25,7 +25,7 @@ from inference_svc.engine.engine import Engine, TokenizerView
 from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelSource, resolve_model
-from inference_svc.model.paged_kernel import resolve_backend
+from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend
 from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, agree_on_least, init_group
 
 if TYPE_CHECKING:
@@ -108,7 +108,10 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
                                  block_size=config.block_size, prefix_caching=config.engine.prefix_caching)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
-    attention, why = resolve_backend(config.attention_backend, next(model.parameters()).device)
+    try:
+        attention, why = resolve_backend(config.attention_backend, next(model.parameters()).device)
+    except AttentionBackendError as e:  # the operator's --attention-backend on this device: say so and stop
+        raise SystemExit(str(e)) from None
     log.info("attention: %s (%s)", attention, why)
     runner = PagedModelRunner.create(model, block_size=config.block_size,
                                      kv_cache_bytes=kv_cache_bytes(config, model, rank),

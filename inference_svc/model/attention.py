@@ -18,9 +18,10 @@ Two backends (--attention-backend). SDPA, the reference and the CPU's: all
 single-token decodes of a step in one padded call (a key-padding mask hides
 the padding), every prefill chunk or multi-token extend in its own call
 (causal, offset by what is already cached). Triton's paged kernel
-(paged_kernel.py), the CUDA default: decodes and chunks over cached context
-read K/V in place from the blocks, with no padded gather and no host-built
-slot or mask tensors; a fresh prefill still goes to SDPA.
+(paged_kernel.py), the CUDA default: decodes and short chunks over cached
+context (KERNEL_MAX_QUERY) read K/V in place from the blocks, with no padded
+gather and no host-built slot or mask tensors; a fresh prefill and a long
+chunk still go to SDPA.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from inference_svc.model.paged_kernel import paged_attention
 from inference_svc.model.paged_kv import PagedKVCache
 
 ATTN_IMPLEMENTATION = "structd_paged"
+# Query tokens of a chunk over cached context that the paged kernel takes (decodes, jump-forward extends);
+# a longer chunk (chunked prefill, a prompt after a prefix-cache hit) goes to SDPA: the kernel reads the
+# context once per query token, SDPA's kernels share each key tile between many queries.
+KERNEL_MAX_QUERY = 16
 # Name of the model-forward kwarg that carries the step context to each layer.
 CONTEXT_KWARG = "structd_paged_context"
 
@@ -99,7 +104,8 @@ class PagedAttentionContext:
     ) -> "PagedAttentionContext":
         """Context for sequences packed in order, sequence i with query_lens[i] new tokens after
         context_lens[i] cached ones, its blocks in row i of block_tables (int64, padded with -1);
-        paged_kernel: every token but those of fresh prefills goes to Triton's kernel.
+        paged_kernel: the tokens of decodes and of chunks over cached context of at most KERNEL_MAX_QUERY
+        tokens go to Triton's kernel, the rest to SDPA.
 
         Per-token indices come from tensor ops over the whole step (a token's sequence by
         repeat_interleave, its position and slot by gather); Python loops only over the
@@ -126,8 +132,9 @@ class PagedAttentionContext:
 
         kernel = None
         if paged_kernel:
-            fresh = torch.tensor([n > 1 and cached == 0 for n, cached in zip(query_lens, context_lens)])
-            index = (~fresh[seq_of]).nonzero()[:, 0]
+            to_sdpa = torch.tensor([n > 1 and (cached == 0 or n > KERNEL_MAX_QUERY)
+                                    for n, cached in zip(query_lens, context_lens)])
+            index = (~to_sdpa[seq_of]).nonzero()[:, 0]
             if len(index):
                 kernel = KernelPlan(index.to(device), seq_of[index].to(device), positions[index].to(device))
             decode_ids = []  # the kernel has them
@@ -154,7 +161,7 @@ class PagedAttentionContext:
         for i, (n, cached) in enumerate(zip(query_lens, context_lens)):
             if n > 1 and cached == 0:
                 chunks.append(ChunkPlan(q_start, q_start + n, None, None))
-            elif n > 1 and not paged_kernel:
+            elif n > 1 and (not paged_kernel or n > KERNEL_MAX_QUERY):
                 seq_len = cached + n
                 pos = torch.arange(seq_len)
                 mask = pos[None, :] <= pos[cached:, None]

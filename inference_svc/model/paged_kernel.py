@@ -13,7 +13,8 @@ token attends to positions 0..its own position, so one kernel serves
 decodes and chunks that extend cached context (causal within the chunk,
 full over the cache). A fresh prefill (nothing cached) stays with SDPA,
 whose flash kernels reuse each key tile across many queries; a
-per-token program would read the keys once per query.
+per-token program would read the keys once per query (so would a long chunk
+over cached context: attention.py sends those to SDPA too).
 
 Triton compiles for the GPU; the same kernel runs on CPU tensors under
 Triton's interpreter (TRITON_INTERPRET=1 in the environment of a process
@@ -23,6 +24,7 @@ which is how tests/test_paged_kernel.py checks it against SDPA here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -82,7 +84,7 @@ def _kernel():
     @triton.jit
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr,
-        stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,
         scale, block_size,
         GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -109,7 +111,7 @@ def _kernel():
             kv_mask = live[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask,
+            v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask,
                         other=0.0).to(tl.float32)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUPS_P2, BLOCK]
             scores = tl.where(live[None, :], scores, float("-inf"))
@@ -143,13 +145,17 @@ def paged_attention(
     if tokens == 0:
         return out
     groups = heads // kv_heads
-    query = query.contiguous()
-    _kernel()[(tokens, kv_heads)](
-        query, key_cache, value_cache, out, block_tables, seq_index, positions,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), scale, block_size,
-        GROUPS=groups, GROUPS_P2=_pow2(groups), HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK=BLOCK_N,
-    )
+    # The kernel steps along head_dim and a block-table row by one element.
+    query, key_cache, value_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key_cache, value_cache))
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    # Triton launches on the current device: the tensors' own, whichever thread calls (cuda:N).
+    with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
+        _kernel()[(tokens, kv_heads)](
+            query, key_cache, value_cache, out, block_tables, seq_index, positions,
+            query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
+            value_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), scale, block_size,
+            GROUPS=groups, GROUPS_P2=_pow2(groups), HEAD_DIM=head_dim, HEAD_DIM_P2=_pow2(head_dim), BLOCK=BLOCK_N,
+        )
     return out
 
 

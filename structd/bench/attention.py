@@ -42,7 +42,7 @@ def result_name(args) -> str:
 def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
+    except ValueError:  # the caller's flag value
         raise UsageError(f"{flag} takes comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise UsageError(f"{flag} takes positive integers, got {text!r}")
@@ -65,7 +65,7 @@ def run(args) -> dict:
         raise UsageError("--device cuda: no CUDA device here (use --device cpu to time SDPA alone)")
     try:
         backends = ["sdpa"] + (["triton"] if resolve_backend("auto", device)[0] == "triton" else [])
-    except AttentionBackendError as e:
+    except AttentionBackendError as e:  # the caller's --device: no backend runs there
         raise UsageError(str(e)) from None
     rows = []
     for batch in batches:
