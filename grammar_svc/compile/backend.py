@@ -237,8 +237,10 @@ class GrammarBackend:
         try:
             return await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
         except (InvalidGrammarError, CompileTimeoutError) as e:
-            if reason == XGRAMMAR_SLOW and isinstance(e, InvalidGrammarError):
+            if (reason == XGRAMMAR_SLOW and isinstance(e, InvalidGrammarError)
+                    and timeout >= self.fallback_after_seconds):
                 # xgrammar's timeout is remembered: asking again is refused at once, naming llguidance's reason.
+                # (A deadline shorter than the budget ran out on the caller's side: DEADLINE_EXCEEDED, below.)
                 raise _neither_serves(spec, timeout, e) from None
             raise refusal from None  # both refuse it: xgrammar's reason is the one clients know
 
