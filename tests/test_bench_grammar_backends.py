@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 from structd import cli
+from tests.conftest import shared_data
 
 
 def test_small_run_through_the_cli(tmp_path, capsys):
     rc = cli.main(["bench", "grammar", "--backend-coverage", "--out", str(tmp_path), "--limit", "2",
+                   "--schemas", str(shared_data("jsonschemabench-sample.jsonl")),
                    "--backends", "llguidance", "--coverage-concurrency", "1", "--coverage-walk-steps", "3",
                    "--coverage-batch", "2", "--compile-timeout", "30"])
     assert rc == 0

@@ -342,3 +342,12 @@ def test_a_request_chooses_its_backend_and_the_memo_keeps_them_apart(llguidance_
     assert {name: choices(grammar, *labels) - before[name] for name, labels in asked.items()} == {
         "xgrammar": 1, "llguidance": 1}
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tools" in info.value.message
+
+
+def test_a_schema_nested_past_json_recursion_has_no_llguidance_only_feature():
+    """The feature scan runs before the compile's own checks: a schema nested 1,000 deep must reach those (which
+    refuse it, naming the nesting), not end the request INTERNAL on json's RecursionError."""
+    from grammar_svc.compile.llguidance_backend import llguidance_only_features
+
+    deep = '{"items": ' * 1000 + "{}" + "}" * 1000
+    assert llguidance_only_features(deep) == []

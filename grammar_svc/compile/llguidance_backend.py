@@ -208,8 +208,8 @@ def llguidance_only_features(text: str) -> list[str]:
     an unreadable schema has none."""
     try:
         schema = json.loads(text)
-    except ValueError:  # the schema's: the compile that follows says so
-        return []
+    except (ValueError, RecursionError):  # the schema's (not JSON, or nested past json's recursion): the compile
+        return []                         # that follows refuses it, naming why
     found, stack = [], [("", schema)]
     while stack:
         pointer, node = stack.pop()
