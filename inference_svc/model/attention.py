@@ -65,7 +65,8 @@ class ChunkPlan:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """The tokens Triton's paged kernel attends: decodes and chunks over cached context."""
+    """The tokens Triton's paged kernel attends: decodes, and chunks over cached context of at most
+    KERNEL_MAX_QUERY tokens."""
 
     token_index: torch.Tensor  # [K] their indices in the packed row
     seq_index: torch.Tensor  # [K] their sequences' rows of block_tables

@@ -63,7 +63,8 @@ def resolve_backend(requested: str, device: torch.device) -> tuple[str, str]:
         return "sdpa", "asked for (--attention-backend sdpa)"
     if requested == "triton":
         if device.type != "cuda":
-            raise AttentionBackendError(f"--attention-backend triton needs a CUDA device, and this server runs on {device}: "
+            raise AttentionBackendError(f"--attention-backend triton needs a CUDA device, and this server runs on "
+                                        f"{device}: "
                              "use --attention-backend auto or sdpa")
         if missing:
             raise AttentionBackendError(f"--attention-backend triton: {missing}; use --attention-backend auto or sdpa")
@@ -146,7 +147,8 @@ def paged_attention(
         return out
     groups = heads // kv_heads
     # The kernel steps along head_dim and a block-table row by one element.
-    query, key_cache, value_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key_cache, value_cache))
+    query, key_cache, value_cache = (t if t.stride(-1) == 1 else t.contiguous()
+                                     for t in (query, key_cache, value_cache))
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     # Triton launches on the current device: the tensors' own, whichever thread calls (cuda:N).
     with torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext():
