@@ -297,7 +297,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--attention-backend", d.attention_backend,
           "decode and extend attention: triton reads keys and values in place from the KV blocks (Triton's "
           "paged kernel, CUDA only), sdpa gathers them into a padded copy for torch's SDPA (the reference); "
-          "auto: triton on CUDA when triton imports, else sdpa. A fresh prefill always runs on SDPA")
+          "auto: triton on CUDA when triton imports, else sdpa. A fresh prefill, and a chunk of more than 16 "
+          "tokens over cached context, always run on SDPA")
     f.add("--engine-process", d.engine_process,
           "on: the engine (model, grammar tier streams, step loop, sampling, detokenization, metrics) runs in a "
           "core process of its own and this one serves gRPC, chat templates and tools, so the clients' streams "
