@@ -64,8 +64,7 @@ def resolve_backend(requested: str, device: torch.device) -> tuple[str, str]:
     if requested == "triton":
         if device.type != "cuda":
             raise AttentionBackendError(f"--attention-backend triton needs a CUDA device, and this server runs on "
-                                        f"{device}: "
-                             "use --attention-backend auto or sdpa")
+                                        f"{device}: use --attention-backend auto or sdpa")
         if missing:
             raise AttentionBackendError(f"--attention-backend triton: {missing}; use --attention-backend auto or sdpa")
         return "triton", "asked for (--attention-backend triton)"
