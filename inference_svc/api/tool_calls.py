@@ -389,7 +389,11 @@ class ToolCallParser:
         self._deltas: list[ToolCallDelta] = []
         # The call being read, once its name is known: its id and how much of its arguments text has been given.
         self._open_id = ""
-        self._open_sent = 0  # characters of its arguments text given (JSON), or parameters given (XML)
+        self._open_sent = 0  # characters of its arguments text given (JSON arguments)
+        # Parameter-tag arguments: the open call's parameters given so far (as JSON pairs), and where reading
+        # its tags resumes in the buffer.
+        self._xml_pairs: list[str] = []
+        self._xml_stop = 0
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         self._buf += text
@@ -529,17 +533,21 @@ class ToolCallParser:
         head = buf[args_at:].lstrip()
         if head and not any(head.startswith(m) or _could_start(head, m) for m in (xml.key_prefix, xml.call_end)):
             return "bad", None, 0
+        if not self._open_id:
+            self._xml_pairs, self._xml_stop = [], args_at
         self._open(name)
-        params, stop = xml.parameters(buf, args_at, self._schemas.get(name))
-        for key, value in params[self._open_sent:]:
+        # The buffer only grows while a call is open: reading resumes after the parameters already given, so a
+        # long argument streamed a token at a time is read once, not once per token.
+        params, self._xml_stop = xml.parameters(buf, self._xml_stop, self._schemas.get(name))
+        for key, value in params:
             pair = json.dumps(key, ensure_ascii=False) + ":" + _compact(value)
-            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=("," if self._open_sent else "{")
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=("," if self._xml_pairs else "{")
                                               + pair))
-            self._open_sent += 1
-        end = _skip_space(buf, stop)
+            self._xml_pairs.append(pair)
+        end = _skip_space(buf, self._xml_stop)
         if buf.startswith(xml.call_end, end):
-            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment="}" if params else "{}"))
-            arguments = "{" + ",".join(json.dumps(k, ensure_ascii=False) + ":" + _compact(v) for k, v in params) + "}"
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment="}" if self._xml_pairs else "{}"))
+            arguments = "{" + ",".join(self._xml_pairs) + "}"
             return "call", self._close(name, arguments), end + len(xml.call_end)
         if final:
             self._open_id = ""
@@ -748,4 +756,4 @@ def _json_object(text: str) -> str | None:
         return None
     if not isinstance(value, dict):
         return None
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _compact(value)
