@@ -11,11 +11,12 @@ from inference_svc.engine.scheduler import Scheduler
 from inference_svc.engine.text_stream import TextStream
 
 
-def _req(rid: str, prompt_len: int) -> GenerationRequest:
+def _req(rid: str, prompt: int | list[int]) -> GenerationRequest:
+    """A request whose prompt is `prompt`, or 1 .. prompt when it is a length."""
     opts = SamplingOptions.validated(max_tokens=8, temperature=0.0, top_p=0.0, top_k=0, seed=None, stop=(),
                                      ignore_eos=False, default_max_tokens=8, max_max_tokens=4096)
-    return GenerationRequest(rid, list(range(1, prompt_len + 1)), opts, RowSampler(opts, "cpu"),
-                             TextStream([b"x"] * 64, (), ()))
+    prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
+    return GenerationRequest(rid, prompt_ids, opts, RowSampler(opts, "cpu"), TextStream([b"x"] * 64, (), ()))
 
 
 def _run_step(sched: Scheduler, sampled_token: int = 7):
