@@ -92,7 +92,8 @@ def normalise_schema(schema: Any, budget: int | None = None) -> Any:
                              node_budget(schema) if budget is None else budget)
     out = normaliser.node(schema)
     # Merges share subtrees between places, so what json.dumps writes may be larger than what was built.
-    _check_tree(out, normaliser.budget)
+    if isinstance(out, dict):  # else the boolean schema an allOf of `false` merged into: nothing to measure
+        _check_tree(out, normaliser.budget)
     return out
 
 
@@ -436,6 +437,8 @@ def _lengths_into_pattern(node: dict) -> dict:
 
 
 def _pointer(root: dict, ref: str) -> Any:
+    if ref != "#" and not ref.startswith("#/"):
+        raise _CannotMerge(f"$ref {ref!r} is a plain-name fragment")  # an $anchor's or an $id's: not looked up
     node: Any = root
     for raw in ref[1:].split("/")[1:] if ref != "#" else []:
         part = raw.replace("~1", "/").replace("~0", "~")

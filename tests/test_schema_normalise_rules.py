@@ -1,0 +1,556 @@
+"""Each rewrite of the JSON Schema normalisation, schema in, schema out (grammar_svc/schema/schema_normalise.py).
+
+tests/test_json_validity.py checks documents against compiled grammars end to
+end; this file pins every rewrite on its own, in process, so that mutation
+testing (docs/mutation.md) can run it for each mutant of the module. Each
+expected schema is the input's meaning written the way the module's
+docstring says it writes it (allOf merged, siblings distributed into
+anyOf/oneOf branches, `not: {type}` as the other types, required names
+listed, lengths in a one-class pattern, enum values of other types dropped),
+or the input itself where the module says it leaves a node as written.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grammar_svc.schema.schema_normalise import MAX_DEPTH, node_budget, normalise_schema
+from shared.errors import RequestTooLargeError
+
+STRING_MIN_1 = {"allOf": [{"type": "string"}, {"minLength": 1}]}  # a subschema the normaliser rewrites
+MERGED = {"type": "string", "minLength": 1}
+ALL_BUT_STRING = ["object", "array", "number", "boolean", "null"]
+NO_NUMBERS = ["object", "array", "string", "boolean", "null"]
+
+
+def case(schema, expected, id):
+    return pytest.param(schema, expected, id=id)
+
+
+# ----------------------------------------------------------------------------- allOf merged into its node
+
+ALL_OF = [
+    case({"allOf": [{"type": "string"}, {"minLength": 2}]}, {"type": "string", "minLength": 2}, "disjoint-keywords"),
+    case({"title": "t", "allOf": [{"type": "integer"}]}, {"title": "t", "type": "integer"}, "one-part-into-the-node"),
+    case({"allOf": [True, {"type": "null"}, {}]}, {"type": "null"}, "true-and-empty-parts"),
+    case({"allOf": [False]}, False, "false-part-is-false"),
+    case({"type": "string", "allOf": [False]}, {"type": "string", "allOf": [False]}, "false-beside-keywords-left"),
+    case({"type": "string", "allOf": []}, {"type": "string", "allOf": []}, "empty-all-of-left"),
+    case({"allOf": {"type": "string"}}, {"allOf": {"type": "string"}}, "all-of-not-a-list-left"),
+    case({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]},
+         {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "two-patterns-left"),
+    case({"allOf": [{"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"type": "string"}]},
+         {"allOf": [{"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"type": "string"}]},
+         "unmerged-inner-all-of-leaves-the-outer"),
+    case({"allOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, {"type": "string", "maxLength": 3},
+         "equal-values-kept-once"),
+    case({"allOf": [{"type": "string"}, {"type": "integer"}]}, {"allOf": [{"type": "string"}, {"type": "integer"}]},
+         "disjoint-types-left"),
+    case({"allOf": [{"type": "object"}, {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}]},
+         {"anyOf": [{"type": "object", "required": ["a"], "properties": {"a": {}}},
+                    {"type": "object", "required": ["b"], "properties": {"b": {}}}]},
+         "merged-any-of-is-distributed"),
+    case({"properties": {"p": {"allOf": [{"minimum": 1}, {"maximum": 2}]}}},
+         {"properties": {"p": {"minimum": 1, "maximum": 2}}}, "inside-a-property"),
+]
+
+TYPES = [
+    case({"allOf": [{"type": "string"}, {"type": ["string", "null"]}]}, {"type": "string"}, "one-common-type"),
+    case({"allOf": [{"type": ["string", "null", "integer"]}, {"type": ["null", "string"]}]},
+         {"type": ["string", "null"]}, "common-types-in-the-first-order"),
+    case({"allOf": [{"type": "number"}, {"type": "integer"}]}, {"type": "integer"}, "number-and-integer"),
+    case({"allOf": [{"type": "integer"}, {"type": "number"}]}, {"type": "integer"}, "integer-and-number"),
+    case({"allOf": [{"type": ["number", "string"]}, {"type": ["integer", "string"]}]},
+         {"type": ["string", "integer"]}, "integer-from-number-beside-a-common-type"),
+    case({"allOf": [{"type": ["integer", "string"]}, {"type": ["number", "string"]}]},
+         {"type": ["string", "integer"]}, "integer-common-once"),
+]
+
+BOUNDS = [
+    *(case({"allOf": [{k: 2}, {k: 5}]}, {k: 5}, f"{k}-larger") for k in
+      ("minLength", "minItems", "minProperties", "minimum", "minContains", "exclusiveMinimum")),
+    *(case({"allOf": [{k: 5}, {k: 2}]}, {k: 5}, f"{k}-larger-first") for k in ("minimum", "exclusiveMinimum")),
+    *(case({"allOf": [{k: 2}, {k: 5}]}, {k: 2}, f"{k}-smaller") for k in
+      ("maxLength", "maxItems", "maxProperties", "maximum", "maxContains", "exclusiveMaximum")),
+    *(case({"allOf": [{k: 5}, {k: 2}]}, {k: 2}, f"{k}-smaller-second") for k in ("maximum", "exclusiveMaximum")),
+    case({"allOf": [{"minimum": 1.5}, {"minimum": 1}]}, {"minimum": 1.5}, "float-bound"),
+    case({"allOf": [{"minimum": "2"}, {"minimum": 5}]}, {"allOf": [{"minimum": "2"}, {"minimum": 5}]},
+         "string-bound-left"),
+    case({"allOf": [{"maximum": 5}, {"maximum": "2"}]}, {"allOf": [{"maximum": 5}, {"maximum": "2"}]},
+         "string-bound-second-left"),
+    case({"allOf": [{"minLength": True}, {"minLength": 2}]}, {"allOf": [{"minLength": True}, {"minLength": 2}]},
+         "boolean-bound-left"),
+    case({"allOf": [{"exclusiveMinimum": True, "minimum": 1}, {"exclusiveMinimum": False, "minimum": 1}]},
+         {"allOf": [{"exclusiveMinimum": True, "minimum": 1}, {"exclusiveMinimum": False, "minimum": 1}]},
+         "draft-4-boolean-exclusive-left"),
+    case({"allOf": [{"exclusiveMaximum": True}, {"exclusiveMaximum": 3}]},
+         {"allOf": [{"exclusiveMaximum": True}, {"exclusiveMaximum": 3}]}, "boolean-exclusive-maximum-left"),
+]
+
+KEYWORDS = [
+    case({"allOf": [{"required": ["a", "b"]}, {"required": ["b", "c"]}]},
+         {"required": ["a", "b", "c"], "properties": {"a": {}, "b": {}, "c": {}}}, "required-united"),
+    case({"allOf": [{"required": "a"}, {"required": ["b"]}]},
+         {"allOf": [{"required": "a"}, {"required": ["b"], "properties": {"b": {}}}]}, "required-not-a-list-left"),
+    case({"allOf": [{"required": ["b"]}, {"required": "a"}]},
+         {"allOf": [{"required": ["b"], "properties": {"b": {}}}, {"required": "a"}]},
+         "required-second-not-a-list-left"),
+    case({"allOf": [{"enum": [1, 2, 3]}, {"enum": [3, 2, 5]}]}, {"enum": [2, 3]}, "enum-intersected-in-first-order"),
+    case({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, {"allOf": [{"enum": [1, 2]}, {"enum": [3]}]},
+         "disjoint-enums-left"),
+    case({"allOf": [{"enum": "a"}, {"enum": ["a"]}]}, {"allOf": [{"enum": "a"}, {"enum": ["a"]}]},
+         "enum-not-a-list-left"),
+    case({"allOf": [{"enum": ["a"]}, {"enum": "a"}]}, {"allOf": [{"enum": ["a"]}, {"enum": "a"}]},
+         "enum-second-not-a-list-left"),
+    case({"allOf": [{"uniqueItems": False}, {"uniqueItems": True}]}, {"uniqueItems": True}, "unique-items-either"),
+    case({"allOf": [{"uniqueItems": True}, {"uniqueItems": False}]}, {"uniqueItems": True},
+         "unique-items-either-first"),
+    case({"allOf": [{"uniqueItems": 1}, {"uniqueItems": False}]}, {"allOf": [{"uniqueItems": 1}, {"uniqueItems": False}]},
+         "unique-items-not-boolean-left"),
+    case({"allOf": [{"uniqueItems": False}, {"uniqueItems": "x"}]},
+         {"allOf": [{"uniqueItems": False}, {"uniqueItems": "x"}]}, "unique-items-second-not-boolean-left"),
+    case({"allOf": [{"const": 1}, {"const": 2}]}, {"allOf": [{"const": 1}, {"const": 2}]}, "two-consts-left"),
+    case({"allOf": [{"properties": {"a": {"type": "string"}, "b": {}}},
+                    {"properties": {"a": {"maxLength": 3}, "c": {"type": "null"}}}]},
+         {"properties": {"a": {"type": "string", "maxLength": 3}, "b": {}, "c": {"type": "null"}}},
+         "properties-merged-by-name"),
+    case({"allOf": [{"patternProperties": {"^x": {"minimum": 0}}}, {"patternProperties": {"^x": {"maximum": 9},
+                                                                                        "^y": {}}}]},
+         {"patternProperties": {"^x": {"minimum": 0, "maximum": 9}, "^y": {}}}, "pattern-properties-merged"),
+    case({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
+         {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
+         "property-conflict-left"),
+    case({"allOf": [{"properties": []}, {"properties": {"a": {}}}]},
+         {"allOf": [{"properties": []}, {"properties": {"a": {}}}]}, "properties-not-a-map-left"),
+    case({"allOf": [{"properties": {"a": {}}}, {"properties": []}]},
+         {"allOf": [{"properties": {"a": {}}}, {"properties": []}]}, "properties-second-not-a-map-left"),
+    *(case({"allOf": [{k: {"type": "string"}}, {k: {"maxLength": 2}}]}, {k: {"type": "string", "maxLength": 2}},
+           f"{k}-merged") for k in ("items", "additionalProperties", "propertyNames", "contains")),
+    case({"allOf": [{"items": [{"type": "string"}]}, {"items": {"type": "string", "maxLength": 1}}]},
+         {"allOf": [{"items": [{"type": "string"}]}, {"items": {"type": "string", "maxLength": 1}}]},
+         "tuple-items-left"),
+    case({"allOf": [{"items": {"type": "string", "maxLength": 1}}, {"items": [{"type": "string"}]}]},
+         {"allOf": [{"items": {"type": "string", "maxLength": 1}}, {"items": [{"type": "string"}]}]},
+         "tuple-items-second-left"),
+    case({"allOf": [{"items": {"type": "string"}}, {"items": {"type": "integer"}}]},
+         {"allOf": [{"items": {"type": "string"}}, {"items": {"type": "integer"}}]}, "items-conflict-left"),
+]
+
+# Keywords that constrain nothing: where two parts disagree the first part's stays, and they stay on a node whose
+# anyOf gets its siblings.
+ANNOTATIONS = ("$schema", "$id", "id", "$comment", "title", "description", "default", "examples", "definitions",
+               "$defs", "deprecated", "readOnly", "writeOnly", "$anchor", "$vocabulary", "$dynamicAnchor",
+               "$recursiveAnchor")
+# Keywords xgrammar does not enforce: where two parts disagree the first part's stays (the module's docstring).
+IGNORED = [("if", {"minimum": 1}, {"minimum": 2}), ("then", {"minimum": 1}, {"minimum": 2}),
+           ("else", {"minimum": 1}, {"minimum": 2}), ("not", {"minimum": 1}, {"minimum": 2}),
+           ("dependencies", {"a": ["b"]}, {"a": ["c"]}), ("dependentRequired", {"a": ["b"]}, {"a": ["c"]}),
+           ("dependentSchemas", {"a": {"minimum": 1}}, {"a": {"minimum": 2}}),
+           ("unevaluatedProperties", {"minimum": 1}, {"minimum": 2}),
+           ("unevaluatedItems", {"minimum": 1}, {"minimum": 2}), ("contentEncoding", "base64", "7bit"),
+           ("contentMediaType", "text/plain", "application/json"),
+           ("contentSchema", {"type": "string"}, {"type": "integer"})]
+FIRST_STAYS = [
+    *(case({"allOf": [{k: "a"}, {k: "b"}]}, {k: "a"}, f"annotation-{k}") for k in ANNOTATIONS),
+    *(case({"allOf": [{k: a}, {k: b}]}, {k: a}, f"ignored-{k}") for k, a, b in IGNORED),
+]
+
+ADDITIONAL_PROPERTIES = [
+    case({"allOf": [{"properties": {"x": {"type": "string"}}, "additionalProperties": False},
+                    {"properties": {"y": {"type": "integer"}}}]},
+         {"properties": {"x": {"type": "string"}}, "additionalProperties": False}, "false-drops-the-others-names"),
+    case({"allOf": [{"properties": {"y": {"type": "integer"}}},
+                    {"properties": {"x": {"type": "string"}}, "additionalProperties": False}]},
+         {"properties": {"x": {"type": "string"}}, "additionalProperties": False}, "false-second-drops-the-first"),
+    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "integer"}},
+                    {"properties": {"y": {"minimum": 0}}}]},
+         {"properties": {"x": {}, "y": {"minimum": 0, "type": "integer"}}, "additionalProperties": {"type": "integer"}},
+         "schema-governs-the-others-names"),
+    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                    {"properties": {"y": {}}, "required": ["y"]}]},
+         {"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                    {"properties": {"y": {}}, "required": ["y"]}]}, "required-and-forbidden-left"),
+    case({"allOf": [{"properties": {"x": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
+                    {"properties": {"y": {}}}]},
+         {"properties": {"x": {}, "y": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
+         "a-pattern-may-govern-them"),
+    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": True}, {"properties": {"y": {}}}]},
+         {"properties": {"x": {}, "y": {}}, "additionalProperties": True}, "true-changes-nothing"),
+    case({"allOf": [{"additionalProperties": False}, {"properties": {"y": {}}}]},
+         {"properties": {}, "additionalProperties": False}, "no-own-properties"),
+    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
+                    {"properties": {"y": {"type": "integer"}}}]},
+         {"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
+                    {"properties": {"y": {"type": "integer"}}}]}, "other-name-contradicts-the-schema-left"),
+    case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
+         {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
+]
+
+REFS = [
+    case({"definitions": {"s": {"type": "string"}}, "allOf": [{"$ref": "#/definitions/s"}]},
+         {"definitions": {"s": {"type": "string"}}, "type": "string"}, "local-ref-inlined"),
+    case({"definitions": {"s": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}, "allOf": [{"$ref": "#/definitions/s"}]},
+         {"definitions": {"s": {"type": "string", "maxLength": 2}}, "type": "string", "maxLength": 2},
+         "ref-target-normalised"),
+    case({"definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"type": "integer"}},
+          "allOf": [{"$ref": "#/definitions/a"}]},
+         {"definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"type": "integer"}}, "type": "integer"},
+         "ref-to-a-ref"),
+    case({"definitions": {"a": {"$ref": "#/definitions/a"}}, "allOf": [{"$ref": "#/definitions/a"}]},
+         {"definitions": {"a": {"$ref": "#/definitions/a"}}, "allOf": [{"$ref": "#/definitions/a"}]},
+         "ref-to-itself-left"),
+    case({"$ref": "#/definitions/n", "definitions": {"n": {"allOf": [{"$ref": "#/definitions/n"}]}}},
+         {"$ref": "#/definitions/n", "definitions": {"n": {"allOf": [{"$ref": "#/definitions/n"}]}}}, "ref-cycle-left"),
+    case({"allOf": [{"$ref": "https://example.com/s.json"}, {"type": "object"}]},
+         {"allOf": [{"$ref": "https://example.com/s.json"}, {"type": "object"}]}, "remote-ref-left"),
+    case({"allOf": [{"$ref": 5}, {"type": "object"}]}, {"allOf": [{"$ref": 5}, {"type": "object"}]},
+         "ref-not-a-string-left"),
+    case({"allOf": [{"$ref": "#/definitions/none"}]}, {"allOf": [{"$ref": "#/definitions/none"}]},
+         "ref-to-nothing-left"),
+    case({"definitions": {"a~b": {"type": "string"}, "a/b": {"type": "integer"}, "x~1": {"type": "null"}},
+          "properties": {"p": {"allOf": [{"$ref": "#/definitions/a~1b"}]}, "q": {"allOf": [{"$ref": "#/definitions/a~0b"}]},
+                         "r": {"allOf": [{"$ref": "#/definitions/x~01"}]}}},
+         {"definitions": {"a~b": {"type": "string"}, "a/b": {"type": "integer"}, "x~1": {"type": "null"}},
+          "properties": {"p": {"type": "integer"}, "q": {"type": "string"}, "r": {"type": "null"}}},
+         "pointer-escapes"),
+    case({"items": [{"type": "string"}, {"type": "integer"}],
+          "properties": {"p": {"allOf": [{"$ref": "#/items/1"}]}, "q": {"allOf": [{"$ref": "#/items/2"}]},
+                         "r": {"allOf": [{"$ref": "#/items/x"}]}}},
+         {"items": [{"type": "string"}, {"type": "integer"}],
+          "properties": {"p": {"type": "integer"}, "q": {"allOf": [{"$ref": "#/items/2"}]},
+                         "r": {"allOf": [{"$ref": "#/items/x"}]}}},
+         "pointer-into-a-list"),
+    case({"definitions": {"n": 3}, "properties": {"p": {"allOf": [{"$ref": "#/definitions/n/0"}]}}},
+         {"definitions": {"n": 3}, "properties": {"p": {"allOf": [{"$ref": "#/definitions/n/0"}]}}},
+         "pointer-past-a-scalar-left"),
+    case({"definitions": {"n": {"$id": "#num", "type": "number"}}, "type": "object",
+          "properties": {"x": {"allOf": [{"$ref": "#num"}]}}},
+         {"definitions": {"n": {"$id": "#num", "type": "number"}}, "type": "object",
+          "properties": {"x": {"allOf": [{"$ref": "#num"}]}}}, "plain-name-fragment-left"),
+    case({"definitions": {"a": {"type": "string"}}, "a": {"type": "integer"},
+          "properties": {"x": {"allOf": [{"$ref": "#definitions/a"}]}}},
+         {"definitions": {"a": {"type": "string"}}, "a": {"type": "integer"},
+          "properties": {"x": {"allOf": [{"$ref": "#definitions/a"}]}}}, "fragment-without-a-slash-left"),
+    case({"type": "object", "properties": {"c": {"allOf": [{"$ref": "#"}]}}},
+         {"type": "object", "properties": {"c": {"type": "object", "properties": {"c": {"allOf": [{"$ref": "#"}]}}}}},
+         "ref-to-the-root-unrolled-once"),
+    case({"definitions": {"s": {"type": "string"}},
+          "allOf": [{"properties": {"p": {"$ref": "#/definitions/s"}}}, {"properties": {"p": {"maxLength": 3}}}]},
+         {"definitions": {"s": {"type": "string"}}, "properties": {"p": {"type": "string", "maxLength": 3}}},
+         "ref-inside-a-merged-property"),
+    case({"definitions": {"s": {"type": "string"}},
+          "allOf": [{"properties": {"p": {"maxLength": 3}}}, {"properties": {"p": {"$ref": "#/definitions/s"}}}]},
+         {"definitions": {"s": {"type": "string"}}, "properties": {"p": {"maxLength": 3, "type": "string"}}},
+         "ref-second-inside-a-merged-property"),
+    case({"allOf": [{"$ref": "#/definitions/s", "required": ["x"]}], "definitions": {"s": {"type": "object"}}},
+         {"definitions": {"s": {"type": "object"}}, "type": "object"}, "draft-7-ref-siblings-ignored"),
+    case({"$schema": "https://json-schema.org/draft/2019-09/schema", "$defs": {"s": {"type": "object"}},
+          "allOf": [{"$ref": "#/$defs/s", "required": ["x"]}]},
+         {"$schema": "https://json-schema.org/draft/2019-09/schema", "$defs": {"s": {"type": "object"}},
+          "type": "object", "required": ["x"], "properties": {"x": {}}}, "draft-2019-ref-siblings-merged"),
+    case({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "object"}},
+          "allOf": [{"$ref": "#/$defs/s", "minProperties": 1}]},
+         {"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "object"}},
+          "type": "object", "minProperties": 1}, "draft-2020-ref-siblings-merged"),
+    case({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "object"}},
+          "allOf": [{"$ref": "#/$defs/s"}]},
+         {"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "object"}},
+          "type": "object"}, "draft-2020-ref-alone"),
+    case({"definitions": {"s": {"type": "string"}}, "type": "string",
+          "anyOf": [{"$ref": "#/definitions/s"}, {"maxLength": 0}]},
+         {"definitions": {"s": {"type": "string"}}, "anyOf": [{"type": "string"}, {"type": "string", "maxLength": 0}]},
+         "ref-branch-resolved"),
+]
+
+DISTRIBUTE = [
+    case({"type": "object", "title": "T", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+         {"title": "T", "anyOf": [{"type": "object", "required": ["a"], "properties": {"a": {}}},
+                                  {"type": "object", "required": ["b"], "properties": {"b": {}}}]},
+         "siblings-into-any-of"),
+    case({"type": "integer", "oneOf": [{"minimum": 0}, {"maximum": -5}]},
+         {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": -5}]}, "siblings-into-one-of"),
+    case({"type": "string", "anyOf": [True, {"minLength": 1}]},
+         {"anyOf": [{"type": "string"}, {"type": "string", "minLength": 1}]}, "true-branch"),
+    case({"type": "string", "anyOf": [False, {"minLength": 1}]},
+         {"type": "string", "anyOf": [False, {"minLength": 1}]}, "false-branch-left"),
+    case({"type": "string", "anyOf": [{"type": "integer"}, {"minLength": 1}]},
+         {"type": "string", "anyOf": [{"type": "integer"}, {"minLength": 1}]}, "contradicting-branch-left"),
+    case({"title": "T", "anyOf": [{"type": "string"}, {"type": "null"}]},
+         {"title": "T", "anyOf": [{"type": "string"}, {"type": "null"}]}, "only-annotations-beside"),
+    case({"type": "object", "anyOf": [{"minProperties": 1}], "oneOf": [{"maxProperties": 2}]},
+         {"type": "object", "anyOf": [{"minProperties": 1}], "oneOf": [{"maxProperties": 2}]},
+         "any-of-and-one-of-left"),
+    case({"type": "string", "anyOf": []}, {"type": "string", "anyOf": []}, "empty-any-of-left"),
+    case({"type": "string", "oneOf": {"minLength": 1}}, {"type": "string", "oneOf": {"minLength": 1}},
+         "one-of-not-a-list-left"),
+    case({"pattern": "^[a-z]+$", "anyOf": [{"maxLength": 3}, {"minLength": 5}]},
+         {"anyOf": [{"pattern": "^[a-z]{1,3}$"}, {"pattern": "^[a-z]{5,}$"}]}, "branches-shaped"),
+    case({"type": "string", "anyOf": [{"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"minLength": 1}]},
+         {"type": "string", "anyOf": [{"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, {"minLength": 1}]},
+         "unmerged-all-of-branch-left"),
+]
+
+NOT_TYPE = [
+    case({"not": {"type": "string"}}, {"type": ALL_BUT_STRING}, "not-string"),
+    case({"not": {"type": "integer"}}, {"type": NO_NUMBERS}, "not-integer-no-numbers"),
+    case({"not": {"type": "number"}}, {"type": NO_NUMBERS}, "not-number"),
+    case({"not": {"type": ["string", "null"]}}, {"type": ["object", "array", "number", "boolean"]}, "not-two-types"),
+    case({"not": {"type": ["object", "array", "string", "boolean", "null"]}}, {"type": ["number"]},
+         "only-numbers-left"),
+    case({"minimum": 1, "not": {"type": "object"}}, {"minimum": 1, "type": ["array", "string", "number", "boolean",
+                                                                           "null"]}, "other-keywords-kept"),
+    case({"type": ["string", "integer"], "not": {"type": "string"}}, {"type": "integer"}, "intersected-with-the-node"),
+    case({"type": "string", "not": {"type": "string"}}, {"type": "string", "not": {"type": "string"}},
+         "nothing-left-left"),
+    case({"not": {"type": "string", "minLength": 1}}, {"not": {"type": "string", "minLength": 1}},
+         "not-more-than-a-type-left"),
+    case({"not": {"minLength": 1}}, {"not": {"minLength": 1}}, "not-without-type-left"),
+]
+
+REQUIRED = [
+    case({"type": "object", "required": ["a"]}, {"type": "object", "required": ["a"], "properties": {"a": {}}},
+         "listed"),
+    case({"required": ["a"], "properties": {"b": {"type": "string"}}},
+         {"required": ["a"], "properties": {"b": {"type": "string"}, "a": {}}}, "listed-beside-others"),
+    case({"required": ["a"], "additionalProperties": {"type": "integer"}},
+         {"required": ["a"], "additionalProperties": {"type": "integer"}, "properties": {"a": {"type": "integer"}}},
+         "listed-with-additional-properties"),
+    case({"required": ["a"], "additionalProperties": False}, {"required": ["a"], "additionalProperties": False},
+         "additional-false-left"),
+    case({"required": ["a"], "patternProperties": {"^a": {"type": "string"}}},
+         {"required": ["a"], "patternProperties": {"^a": {"type": "string"}}}, "pattern-properties-left"),
+    case({"required": ["a"], "properties": []}, {"required": ["a"], "properties": []}, "properties-not-a-map-left"),
+    case({"required": ["a"], "properties": {"a": {"type": "string"}}},
+         {"required": ["a"], "properties": {"a": {"type": "string"}}}, "already-listed"),
+    case({"required": ["a"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
+          "properties": {"a": {}, "b": {}, "c": {}}},
+         {"required": ["a", "b", "c"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
+          "properties": {"a": {}, "b": {}, "c": {}}}, "dependencies-of-dependencies"),
+    case({"required": ["a"], "dependentRequired": {"a": ["b", "a"]}, "properties": {"a": {}, "b": {}}},
+         {"required": ["a", "b"], "dependentRequired": {"a": ["b", "a"]}, "properties": {"a": {}, "b": {}}},
+         "dependent-required"),
+    case({"required": ["a"], "dependencies": {"a": {"required": ["b"]}}, "properties": {"a": {}}},
+         {"required": ["a"], "dependencies": {"a": {"required": ["b"]}}, "properties": {"a": {}}},
+         "schema-dependency-not-followed"),
+    case({"required": ["a"], "dependencies": ["a"], "properties": {"a": {}}},
+         {"required": ["a"], "dependencies": ["a"], "properties": {"a": {}}}, "dependencies-not-a-map"),
+    case({"required": ["a"], "dependencies": {"a": ["b", 7]}}, {"required": ["a", "b"], "dependencies": {
+        "a": ["b", 7]}, "properties": {"a": {}, "b": {}}}, "dependency-names-only"),
+    case({"required": ["a", 7], "properties": {"a": {}}}, {"required": ["a"], "properties": {"a": {}}},
+         "names-only"),
+    case({"required": "a"}, {"required": "a"}, "required-not-a-list"),
+]
+
+PATTERN_LENGTHS = [
+    case({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 5},
+         {"type": "string", "pattern": "^[a-z]{2,5}$"}, "plus"),
+    case({"pattern": "[a-z]*", "maxLength": 3}, {"pattern": "^[a-z]{0,3}$"}, "star-unanchored"),
+    case({"pattern": "^\\d{2,}$", "maxLength": 4}, {"pattern": "^\\d{2,4}$"}, "at-least"),
+    case({"pattern": "^.{1,10}$", "minLength": 3, "maxLength": 20}, {"pattern": "^.{3,10}$"}, "range-tightened"),
+    case({"pattern": "^.{4,10}$", "minLength": 3, "maxLength": 6}, {"pattern": "^.{4,6}$"}, "range-min-from-pattern"),
+    case({"pattern": "^[ab]{4}$", "minLength": 1}, {"pattern": "^[ab]{4,4}$"}, "exactly"),
+    case({"pattern": "^[ab]{2}$", "maxLength": 7}, {"pattern": "^[ab]{2,2}$"}, "exactly-under-max"),
+    case({"pattern": "^[ab]{2,}$", "minLength": 5}, {"pattern": "^[ab]{5,}$"}, "at-least-min"),
+    case({"pattern": "^[a-z]+$", "minLength": 1}, {"pattern": "^[a-z]{1,}$"}, "min-only"),
+    case({"pattern": "^[a-z]*$", "minLength": 0}, {"pattern": "^[a-z]{0,}$"}, "min-zero"),
+    case({"pattern": "^[a-z]+$", "minLength": 3, "maxLength": 3}, {"pattern": "^[a-z]{3,3}$"}, "min-equals-max"),
+    case({"pattern": "^\\w*$", "maxLength": 8}, {"pattern": "^\\w{0,8}$"}, "escape-class"),
+    case({"pattern": "^[\\]x]+$", "maxLength": 2}, {"pattern": "^[\\]x]{1,2}$"}, "escaped-bracket-in-class"),
+    case({"pattern": "^[a-z]{1,3}$", "minLength": 5}, {"pattern": "^[a-z]{1,3}$", "minLength": 5},
+         "unsatisfiable-left"),
+    case({"pattern": "^[a-z]+$", "maxLength": 0}, {"pattern": "^[a-z]+$", "maxLength": 0}, "max-under-plus-left"),
+    case({"pattern": "^[a-z]+$", "minLength": "2"}, {"pattern": "^[a-z]+$", "minLength": "2"}, "min-not-a-number-left"),
+    case({"pattern": "^[a-z]+$", "maxLength": "x"}, {"pattern": "^[a-z]+$", "maxLength": "x"}, "max-not-a-number-left"),
+    case({"pattern": "^[a-z]+@x$", "maxLength": 4}, {"pattern": "^[a-z]+@x$", "maxLength": 4}, "not-one-class-left"),
+    case({"pattern": "^[a-z]+$"}, {"pattern": "^[a-z]+$"}, "no-lengths"),
+    case({"pattern": 5, "maxLength": 4}, {"pattern": 5, "maxLength": 4}, "pattern-not-a-string"),
+    case({"pattern": "^[a-z]{2,4}x$", "maxLength": 3}, {"pattern": "^[a-z]{2,4}x$", "maxLength": 3},
+         "more-after-the-repetition-left"),
+    case({"pattern": "^\\d$", "maxLength": 3}, {"pattern": "^\\d$", "maxLength": 3}, "no-quantifier-left"),
+]
+
+ENUM_TYPES = [
+    case({"type": "integer", "enum": [1, 1.0, 1.5, "1", True, None]}, {"type": "integer", "enum": [1, 1.0]},
+         "integer"),
+    case({"type": "number", "enum": [1, 1.5, "x", False]}, {"type": "number", "enum": [1, 1.5]}, "number"),
+    case({"type": "string", "enum": ["a", 1, None]}, {"type": "string", "enum": ["a"]}, "string"),
+    case({"type": "boolean", "enum": [True, 0, "true"]}, {"type": "boolean", "enum": [True]}, "boolean"),
+    case({"type": "null", "enum": [None, 0, ""]}, {"type": "null", "enum": [None]}, "null"),
+    case({"type": "object", "enum": [{}, [], "x"]}, {"type": "object", "enum": [{}]}, "object"),
+    case({"type": "array", "enum": [[], {}]}, {"type": "array", "enum": [[]]}, "array"),
+    case({"type": ["string", "null"], "enum": ["a", None, 1]}, {"type": ["string", "null"], "enum": ["a", None]},
+         "two-types"),
+    case({"type": ["strin", "integer"], "enum": ["a", 1]}, {"type": ["strin", "integer"], "enum": [1]},
+         "unknown-type-name"),
+    case({"type": "string", "enum": [1, 2]}, {"type": "string", "enum": [1, 2]}, "none-kept-left"),
+    case({"type": 5, "enum": [1, "a"]}, {"type": 5, "enum": [1, "a"]}, "type-not-a-name"),
+    case({"enum": [1, "a"]}, {"enum": [1, "a"]}, "no-type"),
+    case({"type": "string", "enum": "a"}, {"type": "string", "enum": "a"}, "enum-not-a-list"),
+]
+
+
+MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+       "unevaluatedProperties", "unevaluatedItems")
+LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+# Every place a subschema can be is normalised; annotations stay on a node whose anyOf gets its siblings.
+SUBSCHEMAS = [
+    *(case({k: {"x": STRING_MIN_1, "y": True}}, {k: {"x": MERGED, "y": True}}, f"map-{k}") for k in MAPS),
+    *(case({k: STRING_MIN_1}, {k: MERGED}, f"one-{k}") for k in ONE),
+    *(case({k: [STRING_MIN_1, False]}, {k: [MERGED, False]}, f"list-{k}") for k in LISTS),
+    *(case({k: "a", "anyOf": [{"type": "string"}, {"type": "null"}]},
+           {k: "a", "anyOf": [{"type": "string"}, {"type": "null"}]}, f"annotation-beside-any-of-{k}")
+      for k in ANNOTATIONS),
+]
+REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additional-properties": ADDITIONAL_PROPERTIES,
+            "ref": REFS, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
+            "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS}
+
+
+@pytest.mark.parametrize("schema, expected", [pytest.param(*p.values, id=f"{rewrite}-{p.id}")
+                                              for rewrite, cases in REWRITES.items() for p in cases])
+def test_each_rewrite(schema, expected):
+    assert normalise_schema(schema) == expected
+
+
+@pytest.mark.parametrize("schema", [
+    pytest.param({"const": STRING_MIN_1}, id="const"),
+    pytest.param({"enum": [STRING_MIN_1]}, id="enum"),
+    pytest.param({"default": STRING_MIN_1}, id="default"),
+    pytest.param({"properties": [STRING_MIN_1]}, id="properties-not-a-map"),
+    pytest.param({"anyOf": {"x": STRING_MIN_1}}, id="any-of-not-a-list"),
+    pytest.param({"examples": [STRING_MIN_1]}, id="examples"),
+])
+def test_values_that_are_not_schemas_are_left(schema):
+    assert normalise_schema(schema) == schema
+
+
+@pytest.mark.parametrize("schema", [pytest.param(True, id="true"), pytest.param(False, id="false"),
+                                    pytest.param([1], id="not-a-schema")])
+def test_a_schema_that_is_not_an_object_is_itself(schema):
+    assert normalise_schema(schema) is schema
+
+
+def test_the_input_is_not_changed():
+    schema = {"allOf": [{"properties": {"x": {}}, "additionalProperties": False}, {"properties": {"y": {}}}],
+              "required": ["z"], "anyOf": [{"minProperties": 1}, {"maxProperties": 3}]}
+    before = repr(schema)
+    normalise_schema(schema)
+    assert repr(schema) == before
+
+
+# ----------------------------------------------------------------------------- the work budget and the depth limit
+
+def message(what: str, at: str | None) -> str:
+    return (f"json_schema is too complex to compile: {what}{'' if at is None else f' (at {at})'}; nested anyOf/oneOf "
+            "beside other keywords and allOf of $refs multiply; simplify the schema")
+
+
+def nested(keyword: str, levels: int) -> dict:
+    schema: dict = {}
+    for _ in range(levels):
+        schema = {keyword: schema}
+    return schema
+
+
+def nested_lists(levels: int) -> object:
+    value: object = 0
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def ref_to_enum(levels: int) -> dict:
+    return {"definitions": {"a": {"enum": [nested_lists(levels)]}}, "allOf": [{"$ref": "#/definitions/a"}]}
+
+
+TWO_PROPERTIES = {"properties": {"a": {}, "b": {}}}
+ANY_OF_TWO = {"type": "string", "anyOf": [{"minLength": 1}, {"maxLength": 3}]}
+ALL_OF_IN_P = {"properties": {"p": {"allOf": [{"type": "string"}, {"minLength": 1}]}}}
+REF_ONLY = {"definitions": {"s": {"type": "string"}}, "allOf": [{"$ref": "#/definitions/s"}]}
+ALL_OF_THEN_ANY_OF = {"properties": {"p": {"allOf": [{"type": "string"}], "anyOf": [{"minLength": 1}, {"maxLength": 3}]},
+                                     "q": {}}}
+# Each node produced counts once: the root and each subschema as it is walked, a merge, each dict or list copied
+# (a $ref target, an anyOf's siblings for each branch).
+REFUSED = [
+    pytest.param({"type": "string"}, 0, message("normalising it produced more than 0 schema nodes", "the root"),
+                 id="at-the-root"),
+    pytest.param(TWO_PROPERTIES, 2, message("normalising it produced more than 2 schema nodes", "/properties/b"),
+                 id="second-property"),
+    pytest.param(TWO_PROPERTIES, 3, message("normalising it would write more than 3 schema nodes", None),
+                 id="the-result-tree"),
+    pytest.param({"properties": {"a/b~c": {}}}, 1,
+                 message("normalising it produced more than 1 schema nodes", "/properties/a~1b~0c"),
+                 id="escaped-name"),
+    pytest.param({"items": [{}, {}]}, 2, message("normalising it produced more than 2 schema nodes", "/items/1"),
+                 id="tuple-item"),
+    pytest.param({"anyOf": [{}, {}]}, 2, message("normalising it produced more than 2 schema nodes", "/anyOf/1"),
+                 id="list-item"),
+    pytest.param({"not": {}}, 1, message("normalising it produced more than 1 schema nodes", "/not"),
+                 id="one-subschema"),
+    pytest.param(ALL_OF_IN_P, 4, message("normalising it produced more than 4 schema nodes", "/properties/p/allOf/1"),
+                 id="merging-an-all-of"),
+    pytest.param(ANY_OF_TWO, 4, message("normalising it produced more than 4 schema nodes", "/anyOf/0"),
+                 id="first-branch"),
+    pytest.param(ANY_OF_TWO, 6, message("normalising it produced more than 6 schema nodes", "/anyOf/1"),
+                 id="second-branch"),
+    pytest.param(REF_ONLY, 3, message("normalising it produced more than 3 schema nodes", "/allOf/0/#/definitions/s"),
+                 id="ref-target"),
+    pytest.param(REF_ONLY, 4, message("normalising it produced more than 4 schema nodes", "/allOf/0"),
+                 id="ref-target-copied"),
+    pytest.param(ALL_OF_THEN_ANY_OF, 9,
+                 message("normalising it produced more than 9 schema nodes", "/properties/p/anyOf/1"),
+                 id="branch-after-an-all-of"),
+    pytest.param({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"maxLength": 1}}}]}, 6,
+                 message("normalising it produced more than 6 schema nodes", "/allOf/1/properties/a"),
+                 id="merging-a-property"),
+    pytest.param({"allOf": [{"items": {"type": "string"}}, {"items": {"maxLength": 1}}]}, 6,
+                 message("normalising it produced more than 6 schema nodes", "/allOf/1/items"), id="merging-items"),
+    pytest.param({"enum": [[1], [2]]}, 3, message("normalising it would write more than 3 schema nodes", None),
+                 id="values-in-the-result"),
+    pytest.param(nested("items", MAX_DEPTH + 1), 10_000,
+                 message(f"normalising it nests deeper than {MAX_DEPTH} levels", "/" + "/".join(["items"] * MAX_DEPTH)),
+                 id="nested-past-the-limit"),
+    pytest.param(nested("items", MAX_DEPTH), 10_000,
+                 message(f"normalising it would nest deeper than {MAX_DEPTH} levels", None),
+                 id="result-nested-past-the-limit"),
+    pytest.param({"enum": [nested_lists(MAX_DEPTH - 1)]}, 10_000,
+                 message(f"normalising it would nest deeper than {MAX_DEPTH} levels", None), id="deep-value"),
+    pytest.param(ref_to_enum(MAX_DEPTH), 10_000,
+                 message(f"normalising it nests deeper than {MAX_DEPTH} levels", "/allOf/0"), id="deep-copy"),
+    pytest.param(ref_to_enum(MAX_DEPTH - 1), 10_000,
+                 message(f"normalising it would nest deeper than {MAX_DEPTH} levels", None), id="copy-within-the-limit"),
+]
+
+
+@pytest.mark.parametrize("schema, budget, refusal", REFUSED)
+def test_past_the_budget_or_the_depth_the_schema_is_refused_naming_where(schema, budget, refusal):
+    with pytest.raises(RequestTooLargeError) as refused:
+        normalise_schema(schema, budget)
+    assert str(refused.value) == refusal
+
+
+@pytest.mark.parametrize("schema, budget", [
+    pytest.param({"type": "string"}, 1, id="one-node"),
+    pytest.param(TWO_PROPERTIES, 4, id="two-properties"),
+    pytest.param({"enum": [[1], [2]]}, 4, id="values"),
+    pytest.param(ANY_OF_TWO, 7, id="two-branches"),
+    pytest.param(REF_ONLY, 6, id="ref"),
+    pytest.param(nested("items", MAX_DEPTH - 1), 10_000, id="nested-to-the-limit"),
+    pytest.param({"enum": [nested_lists(MAX_DEPTH - 2)]}, 10_000, id="value-nested-to-the-limit"),
+])
+def test_within_the_budget_and_the_depth_the_schema_is_normalised(schema, budget):
+    normalise_schema(schema, budget)
+
+
+def test_a_shared_subtree_is_counted_where_it_is_written():
+    # Both listed names share one object (the additionalProperties schema): written out, it is there three times.
+    schema = {"required": ["a", "b"], "additionalProperties": {"type": "integer"}}
+    assert normalise_schema(schema, 6) == {**schema, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    with pytest.raises(RequestTooLargeError, match="would write more than 5 schema nodes"):
+        normalise_schema(schema, 5)
+
+
+def test_the_default_budget_grows_with_the_schema():
+    assert node_budget({"a": [1, {"b": 2}], "c": "d"}) == 100_000 + 4 * 3
+    assert node_budget(7) == 100_000
