@@ -41,6 +41,8 @@ XGRAMMAR = "xgrammar"
 LLGUIDANCE = "llguidance"
 # Also the service's default: xgrammar unless it refuses a grammar or compiles it too slowly.
 AUTO = "auto"
+# Bump whenever grammar_text can give a spec a different llguidance grammar (part of its grammar id).
+GRAMMAR_REVISION = "llguidance-2"
 
 _TOKENIZER_LOCK = threading.Lock()
 
@@ -157,9 +159,10 @@ def grammar_text(spec) -> str:
 
     if spec.kind is Kind.JSON_SCHEMA or spec.kind is Kind.JSON_OBJECT:
         from grammar_svc.schema.json_grammar import normalised_schema_text
+        from grammar_svc.schema.llguidance_schema import llguidance_schema
 
         text = spec.text if spec.kind is Kind.JSON_SCHEMA else '{"type": "object"}'
-        schema = json.loads(normalised_schema_text(text))
+        schema = llguidance_schema(json.loads(normalised_schema_text(text)))
         schema = _closed_objects(schema, not spec.json_options.lenient)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_compile_options(spec.json_options))
     if spec.kind is Kind.REGEX:

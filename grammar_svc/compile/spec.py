@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from grammar_svc.compile.llguidance_backend import GRAMMAR_REVISION as LLGUIDANCE_GRAMMAR_REVISION, LLGUIDANCE
 from grammar_svc.schema.json_grammar import GRAMMAR_REVISION
 from grammar_svc.types import JsonOptions, Kind
 from shared.errors import InvalidGrammarError, RequestTooLargeError
@@ -72,7 +73,8 @@ class GrammarSpec:
 
     def cache_key(self, tokenizer_fingerprint: str, backend: str = "xgrammar") -> str:
         """Stable across processes and replicas: the grammar id is derived from it. The backend is part of it
-        (another library is another grammar), named only for llguidance so xgrammar's ids stay as they were."""
+        (another library is another grammar), named only for llguidance, with the revision of its grammar path, so
+        xgrammar's ids stay as they were."""
         o = self.json_options
         parts = [
             tokenizer_fingerprint,
@@ -89,7 +91,7 @@ class GrammarSpec:
             self.text,
         ]
         if backend != "xgrammar":
-            parts.insert(1, backend)
+            parts.insert(1, backend if backend != LLGUIDANCE else LLGUIDANCE_GRAMMAR_REVISION)
         return "\x1f".join(parts)
 
     def grammar_id(self, tokenizer_fingerprint: str, backend: str = "xgrammar") -> str:

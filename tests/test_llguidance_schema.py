@@ -1,0 +1,128 @@
+"""The schema llguidance's grammar is built from (grammar_svc/schema/llguidance_schema.py), with real llguidance.
+
+Recursive schemas llguidance refused ("circular references with sibling keys are not supported") compile
+after the rewrite, and the grammar accepts what the original schema accepts: each document, checked against
+the original with jsonschema (the validator its `$schema` names, as the output check does), is taken token by
+token and ended by the service's LlguidanceMatcher exactly when it is valid. A schema whose draft applies the
+keywords beside a `$ref` keeps them, and stays refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grammar_svc.compile.llguidance_backend import LlguidanceMatcher, compile_llguidance
+from grammar_svc.compile.spec import GrammarSpec
+from grammar_svc.schema.llguidance_schema import llguidance_schema
+from grammar_svc.types import Kind
+from shared.errors import InvalidGrammarError
+
+DRAFT_04 = "http://json-schema.org/draft-04/schema#"
+
+# A tree whose children say `"type": "object"` and `"required": ["children"]` beside their `$ref`: ignored up
+# to draft 7, so a leaf without children is valid.
+TREE = {
+    "$schema": DRAFT_04,
+    "definitions": {"node": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 3},
+                       "children": {"type": "array", "items": {"$ref": "#/definitions/node", "type": "object",
+                                                               "required": ["children"]}}},
+        "required": ["name"], "additionalProperties": False}},
+    "$ref": "#/definitions/node",
+}
+# WashingtonPost's shape: a property whose schema is (but for its title) that of the pattern its name matches,
+# referring back to the definition being built.
+CREDITS = {
+    "definitions": {
+        "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 3},
+                                                    "credits": {"$ref": "#/definitions/credits"}},
+                   "required": ["name"], "additionalProperties": False},
+        "credits": {"type": "object",
+                    "properties": {"by": {"title": "By", "type": "array", "items": {"$ref": "#/definitions/person"}}},
+                    "patternProperties": {"^[a-z_]*": {"type": "array", "items": {"$ref": "#/definitions/person"}}}},
+    },
+    "$ref": "#/definitions/person",
+}
+
+
+def documents(schema: dict) -> list[tuple[object, bool]]:
+    """(document, valid under the original schema) for the schema's test documents."""
+    if schema.get("$schema") == DRAFT_04:  # TREE
+        docs = [{"name": "a"}, {"name": "a", "children": []}, {"name": "a", "children": [{"name": "b"}]},
+                {"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}]},
+                {"name": "abcd"}, {"name": "a", "children": [{"name": "bcde"}]}, {"name": "a", "x": 1},
+                {"name": "a", "children": [{}]}, {"children": []}]
+    else:  # CREDITS
+        docs = [{"name": "a"}, {"name": "a", "credits": {"by": [{"name": "b"}]}},
+                {"name": "a", "credits": {"by": [], "photos_by": [{"name": "b", "credits": {}}]}},
+                {"name": "a", "credits": {"by": [{"name": "bcde"}]}},
+                {"name": "a", "credits": {"photos_by": [{"name": "b", "x": 1}]}},
+                {"name": "a", "credits": {"by": [{}]}}]
+    from jsonschema import Draft202012Validator, validators
+
+    validator = validators.validator_for(schema, default=Draft202012Validator)(schema)
+    return [(d, validator.is_valid(d)) for d in docs]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_desc):
+    from grammar_svc.compile.tokenizer_registry import TokenizerRegistry
+
+    tok, _, _ = TokenizerRegistry(1, set).register(tokenizer_desc.fingerprint, tokenizer_desc.compressed_info(),
+                                                   tokenizer_desc.compressed_hf())
+    return tok
+
+
+def takes(compiled, hf_tokenizer, stop: int, document) -> bool:
+    """Whether the grammar takes the document's tokens, then ends on a stop token."""
+    matcher = LlguidanceMatcher(compiled)
+    tokens = hf_tokenizer.encode(json.dumps(document, separators=(",", ":")), add_special_tokens=False)
+    return all(matcher.accept_token(t) for t in tokens) and matcher.accept_token(stop) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("schema", [pytest.param(TREE, id="ref-siblings-draft-04"),
+                                    pytest.param(CREDITS, id="property-as-its-pattern")])
+def test_a_refused_recursive_schema_compiles_and_accepts_what_the_original_accepts(tokenizer, hf_tokenizer,
+                                                                                   schema):
+    import llguidance
+
+    # llguidance on the schema as it is.
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_json_schema(schema), None)
+    assert is_error and "circular references with sibling keys" in messages[0], messages
+    compiled = compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(schema)))
+    stop = min(compiled.stop_token_ids)
+    cases = documents(schema)
+    assert {valid for _, valid in cases} == {True, False}
+    for document, valid in cases:
+        assert takes(compiled, hf_tokenizer, stop, document) is valid, document
+
+
+def test_where_the_draft_applies_ref_siblings_they_stay_and_llguidance_refuses(tokenizer):
+    schema = {**TREE, "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert llguidance_schema(schema) == schema
+    with pytest.raises(InvalidGrammarError, match="circular references with sibling keys"):
+        compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(schema)))
+
+
+@pytest.mark.parametrize("schema, expected", [
+    pytest.param({"$schema": DRAFT_04, "properties": {"default": {"$ref": "#/x", "type": "string"}},
+                  "enum": [{"$ref": "#/x", "type": "string"}]},
+                 {"$schema": DRAFT_04, "properties": {"default": {"$ref": "#/x"}},
+                  "enum": [{"$ref": "#/x", "type": "string"}]}, id="data-kept-names-walked"),
+    pytest.param({"$ref": "#/x", "type": "string"}, {"$ref": "#/x", "type": "string"}, id="no-draft-kept"),
+    pytest.param({"properties": {"by": {"type": "string", "title": "t"}}, "patternProperties": {"^c": {"type": "string"}}},
+                 {"properties": {"by": {"type": "string", "title": "t"}}, "patternProperties": {"^c": {"type": "string"}}},
+                 id="name-matching-no-pattern-kept"),
+    pytest.param({"properties": {"by": {"type": "string", "maxLength": 2}}, "patternProperties": {"b": {"type": "string"}}},
+                 {"properties": {"by": {"type": "string", "maxLength": 2}}, "patternProperties": {"b": {"type": "string"}}},
+                 id="narrower-property-kept"),
+    pytest.param({"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
+                 {"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
+                 id="unreadable-pattern-kept"),
+])
+def test_rewrites_only_what_keeps_the_meaning(schema, expected):
+    assert llguidance_schema(schema) == expected
