@@ -12,10 +12,27 @@ or the input itself where the module says it leaves a node as written.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from grammar_svc.schema.schema_normalise import MAX_DEPTH, node_budget, normalise_schema
 from shared.errors import RequestTooLargeError
+
+
+@pytest.fixture(autouse=True)
+def mutmut_frames():
+    """Room for mutmut's trampolines (frames on every call) under schemas nested to MAX_DEPTH; a plain run keeps
+    Python's default limit, which MAX_DEPTH must stay inside."""
+    if "MUTANT_UNDER_TEST" not in os.environ:
+        yield
+        return
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit * 4)
+    yield
+    sys.setrecursionlimit(limit)
+
 
 STRING_MIN_1 = {"allOf": [{"type": "string"}, {"minLength": 1}]}  # a subschema the normaliser rewrites
 MERGED = {"type": "string", "minLength": 1}
