@@ -28,7 +28,8 @@ class GrammarServiceConfig:
     compile_lane_after_seconds: float = 0.5
     compile_timeout_seconds: float = 10.0
     # Which library compiles grammars when a request names none: xgrammar, llguidance, or auto (xgrammar,
-    # falling back to llguidance for what xgrammar refuses or has not compiled after fallback_after_seconds).
+    # falling back to llguidance for what xgrammar refuses or has not compiled after fallback_after_seconds, or
+    # cannot start at once for want of a free compile worker).
     grammar_backend: str = "auto"
     fallback_after_seconds: float = 2.0
     # Upper bound on the compile deadline a client may ask for (CompileRequest.timeout_seconds).
@@ -137,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--grammar-backend", d.grammar_backend,
           "library that compiles a constraint whose request names none: xgrammar, llguidance, or auto (xgrammar, "
           "falling back to llguidance for what xgrammar refuses, crashes on or has not compiled after "
-          "--fallback-after-seconds)")
+          "--fallback-after-seconds, or cannot start because every compile worker is busy)")
     f.add("--fallback-after-seconds", d.fallback_after_seconds,
           "with --grammar-backend auto: how long a compile waits for xgrammar before llguidance serves the "
           "constraint (keep it well under --compile-timeout-seconds)")

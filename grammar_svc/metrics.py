@@ -24,7 +24,8 @@ MASK_BYTES_BUCKETS = (4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 # Label values of grammar_svc_backend_choices_total: each backend and the reasons it can be chosen for.
 BACKEND_CHOICES = {
     "xgrammar": ("requested", "configured", "default"),
-    "llguidance": ("requested", "configured", "feature", "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed"),
+    "llguidance": ("requested", "configured", "feature", "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed",
+                   "xgrammar_busy"),
 }
 # Label values of grammar_svc_limit_rejections_total.
 LIMITS = ("sessions", "sessions_per_stream", "tokenizers", "compiles_per_caller", "compile_timeout_cap")
@@ -48,7 +49,8 @@ class GrammarMetrics:
             "Compile requests answered, by the grammar backend that serves them (xgrammar, llguidance) and why: "
             "requested (CompileRequest.backend), configured (--grammar-backend), default (auto: xgrammar in "
             "time), feature (auto: what only llguidance enforces), xgrammar_refused, xgrammar_slow (past "
-            "--fallback-after-seconds), xgrammar_crashed (auto's fallbacks to llguidance).", ["backend", "reason"], registry=r)
+            "--fallback-after-seconds), xgrammar_crashed, xgrammar_busy (no compile worker free: auto's fallbacks "
+            "to llguidance).", ["backend", "reason"], registry=r)
         for backend, reasons in BACKEND_CHOICES.items():
             for reason in reasons:
                 self.backend_choices.labels(backend, reason)  # every possible choice exported from the start, at 0

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
@@ -29,7 +30,7 @@ import pytest
 from shared.codec import words_for_vocab
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient, decode_masks
-from tests.conftest import TOO_SLOW_SCHEMA, InferenceServerThread, run, start_grammar_server
+from tests.conftest import SLOW_SCHEMA, TOO_SLOW_SCHEMA, InferenceServerThread, run, start_grammar_server, wait_until
 from tests.test_grammar_rpcs import call, end_stream, json_schema, salt
 
 XGRAMMAR, LLGUIDANCE = pb.GRAMMAR_BACKEND_XGRAMMAR, pb.GRAMMAR_BACKEND_LLGUIDANCE
@@ -225,6 +226,57 @@ def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer
     assert choices(auto_server, "xgrammar", "default") == before + 1
 
 
+def restarts(srv, reason: str) -> float:
+    return srv.server.metrics.registry.get_sample_value(
+        "grammar_svc_compile_worker_restarts_total", {"reason": reason}) or 0.0
+
+
+def test_a_compile_past_the_budget_finishes_into_the_cache_for_the_next_request(auto_server, tokenizer_desc):
+    """xgrammar's compile goes on after the fallback answered (its worker is not killed) and lands in the cache:
+    the next request for the schema gets xgrammar's grammar."""
+    spec = json_schema({"title": salt(), **SLOW_SCHEMA})
+    abandoned = restarts(auto_server, "abandoned")
+    first = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
+    # Asked for by name, the same grammar joins the compile still in flight (or finds it cached).
+    landed = call(auto_server.target, lambda client: client.compile(
+        tokenizer_desc.fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120, backend=XGRAMMAR))
+    assert restarts(auto_server, "abandoned") == abandoned
+    again = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (again.grammar_id, again.backend, again.backend_reason, again.cache_hit) == (
+        landed.grammar_id, XGRAMMAR, "default", True)
+
+
+def test_a_schema_asked_for_while_every_worker_is_busy_goes_to_llguidance_at_once(auto_server, tokenizer_desc):
+    """No compile worker free: xgrammar could not start within the budget, so llguidance answers (xgrammar_busy)
+    without the request queueing; asked again once a worker is free, xgrammar compiles it."""
+    pool = auto_server.server.backend.pool
+    wait_until(lambda: pool.idle_workers == 1, "the compile worker is free")
+    spec = pb.GrammarSpec(regex=f"{salt()}[0-9]+")
+    busy = choices(auto_server, "llguidance", "xgrammar_busy")
+
+    async def while_busy():
+        client = GrammarClient(auto_server.target)
+        # Asked for by name, a compile of tens of seconds holds the one worker.
+        holder = asyncio.ensure_future(compile_on(client, tokenizer_desc.fingerprint,
+                                                  json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 60.0))
+        try:
+            while pool.idle_workers or not pool.busy_workers:
+                await asyncio.sleep(0.02)
+            return await client.compile(tokenizer_desc.fingerprint, spec, timeout_seconds=20.0, rpc_timeout=120)
+        finally:
+            holder.cancel()  # its worker is killed and replaced
+            await asyncio.gather(holder, return_exceptions=True)
+            await client.close()
+
+    first = run(while_busy())
+    assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_busy")
+    assert choices(auto_server, "llguidance", "xgrammar_busy") == busy + 1
+    wait_until(lambda: pool.idle_workers == 1, "the compile worker is replaced", timeout=120.0)
+    again = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    assert (again.backend, again.backend_reason) == (XGRAMMAR, "default")
+
+
 # The two below leave the one compile worker killed (a compile cancelled or timed out): after the ones that need
 # xgrammar to answer within the fallback budget, which a worker still restarting would miss.
 
@@ -261,6 +313,21 @@ def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, 
     result = run(feed())
     assert result.status == pb.SESSION_STATUS_TERMINATED, result
     assert result.accepted_count == len(tokens) + 1
+
+
+def test_a_compile_that_outlived_its_budget_gives_its_worker_up_to_the_next_request(auto_server, tokenizer_desc):
+    """The one worker still compiling a grammar whose request llguidance answered is no reason to send the next
+    schema to llguidance as busy: that compile is stopped and its worker replaced for the new request."""
+    first = call(auto_server.target, lambda client: client.compile(
+        tokenizer_desc.fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), timeout_seconds=60.0,
+        rpc_timeout=120))
+    assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
+    pool = auto_server.server.backend.pool
+    wait_until(lambda: pool.busy_workers == 1 and not pool.waiting_jobs, "the compile is on the worker", 120.0)
+    abandoned = restarts(auto_server, "abandoned")
+    out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
+    assert out.backend_reason != "xgrammar_busy"
+    assert restarts(auto_server, "abandoned") == abandoned + 1
 
 
 def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):

@@ -14,12 +14,14 @@ lookups, a large schema costs seconds to minutes) and llguidance (in
 process, ready at once, masks computed lazily: llguidance_backend.py). A
 request names one (CompileRequest.backend), or the replica's
 --grammar-backend decides; `auto` compiles with xgrammar and falls back to
-llguidance when xgrammar refuses the grammar, crashes on it, or has not
-finished after --fallback-after-seconds (its compile is then stopped, unless
-llguidance refuses the grammar too: then the grammar is INVALID_ARGUMENT at once, naming llguidance's
-reason). A fallback is cached under
-llguidance's grammar id, so the next request for the same spec is answered
-from it without trying xgrammar again.
+llguidance when xgrammar refuses the grammar, crashes on it, has not
+finished after --fallback-after-seconds, or could not even start it now
+(every compile worker busy and none about to be free: the request would
+queue). A compile past the budget goes on into the cache unless llguidance
+refuses the grammar too (then the grammar is INVALID_ARGUMENT at once, naming
+llguidance's reason, and xgrammar's compile is stopped). A fallback is cached
+under llguidance's grammar id: the next request for the same spec is answered
+from it, or from xgrammar's grammar once that is cached.
 
 Per-caller limits live here too: distinct compiles a caller may wait on
 (caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
@@ -42,8 +44,9 @@ import xgrammar as xgr
 from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
-from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, compile_llguidance,
-                                                    ignores_only_what_xgrammar_ignores, llguidance_only_features)
+from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, XGRAMMAR, compile_llguidance,
+                                                    ignores_only_what_xgrammar_ignores, llguidance_only_features,
+                                                    llguidance_tokenizer)
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
@@ -65,7 +68,9 @@ CRASH_MEMORY = 4096
 # compiled it), feature (auto: the schema uses what only llguidance enforces), and auto's fallbacks to llguidance.
 REQUESTED, CONFIGURED, DEFAULT, FEATURE = "requested", "configured", "default", "feature"
 XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED = "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed"
-FALLBACK_REASONS = (XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED)
+# auto: no compile worker was free or about to be, so xgrammar could not have started within the budget.
+XGRAMMAR_BUSY = "xgrammar_busy"
+FALLBACK_REASONS = (XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED, XGRAMMAR_BUSY)
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,9 @@ class GrammarBackend:
         self.timeout_cache_seconds = timeout_cache_seconds
         self.metrics = metrics
         self._inflight: dict[str, _Flight] = {}
+        # auto's xgrammar compiles that went on after the budget, oldest first: each finishes into the cache
+        # unless a request needs its worker first.
+        self._outlived: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
         # grammar id -> workers that died compiling it.
         self._crashes: collections.OrderedDict[str, int] = collections.OrderedDict()
 
@@ -136,6 +144,14 @@ class GrammarBackend:
         except TokenizersFullError:  # the caller's: every slot is in use; counted, then mapped
             self.metrics.limit_rejections.labels("tokenizers").inc()
             raise
+        if not already and self.grammar_backend != XGRAMMAR:
+            # Built now, not by the first compile that falls back to llguidance: building it holds the GIL for
+            # seconds at 129k tokens, which stalled every request in flight (docs/benchmarks.md, "Backend
+            # coverage"). On an xgrammar replica only a request naming llguidance needs it: built then.
+            try:
+                await asyncio.to_thread(llguidance_tokenizer, tok)
+            except Exception:  # noqa: BLE001 - llguidance's failure: its compiles report it; xgrammar still serves
+                log.warning("llguidance could not build tokenizer %s...", fingerprint[:16], exc_info=True)
         for fp in evicted:
             dropped = self.cache.drop_tokenizer(fp)
             self._local_compilers.pop(fp, None)
@@ -182,17 +198,27 @@ class GrammarBackend:
     async def _compile_auto(self, fingerprint: str, spec: GrammarSpec, timeout: float,
                             caller: str | None) -> CompileResult:
         """xgrammar's grammar, unless the schema uses what only llguidance enforces, or xgrammar refuses it,
-        crashes on it or is still compiling it after --fallback-after-seconds: then llguidance's (xgrammar's
-        answer where llguidance refuses it too)."""
+        crashes on it, is still compiling it after --fallback-after-seconds or could not start it now: then
+        llguidance's (xgrammar's answer where llguidance refuses it too)."""
+        xgrammar_id = spec.grammar_id(fingerprint)
         fallback = self.cache.get(spec.grammar_id(fingerprint, LLGUIDANCE))
-        if isinstance(fallback, CompiledEntry) and (fallback.backend_reason in FALLBACK_REASONS or (
-                fallback.backend_reason == FEATURE and ignores_only_what_xgrammar_ignores(fallback.warnings))):
-            # Decided before: xgrammar is not tried again while llguidance's grammar is cached.
+        if isinstance(fallback, CompiledEntry) and fallback.backend_reason == FEATURE and \
+                ignores_only_what_xgrammar_ignores(fallback.warnings):
+            self.metrics.cache_hits.labels(spec.kind.value).inc()
+            return CompileResult(fallback, True, FEATURE)
+        served = self.cache.get(xgrammar_id)
+        if isinstance(served, CompiledEntry):
+            # Also where a fallback answered before and xgrammar's compile finished into the cache since: new
+            # sessions get xgrammar's cheaper masks (open ones stay on the backend they opened with).
+            return replace(await self._compile(fingerprint, spec, timeout, caller), reason=DEFAULT)
+        if isinstance(fallback, CompiledEntry) and fallback.backend_reason in FALLBACK_REASONS and not (
+                fallback.backend_reason == XGRAMMAR_BUSY and xgrammar_id not in self._inflight
+                and not self._xgrammar_would_queue(xgrammar_id)):
+            # Decided before: xgrammar is not tried again while llguidance's grammar is cached, except after a
+            # busy moment (xgrammar never tried it) when a worker is free now.
             self.metrics.cache_hits.labels(spec.kind.value).inc()
             return CompileResult(fallback, True, fallback.backend_reason)
-        # (A schema xgrammar's grammar already serves, asked for by name before, is not parsed again.)
-        served = self.cache.get(spec.grammar_id(fingerprint))
-        if spec.kind is Kind.JSON_SCHEMA and not isinstance(served, CompiledEntry) and llguidance_only_features(spec.text):
+        if spec.kind is Kind.JSON_SCHEMA and llguidance_only_features(spec.text):
             try:
                 chosen = await self._compile_llguidance(fingerprint, spec, timeout, FEATURE)
             except (InvalidGrammarError, CompileTimeoutError):
@@ -200,17 +226,34 @@ class GrammarBackend:
             # Not where llguidance would drop a keyword xgrammar enforces: that trade is not made for the client.
             if chosen is not None and ignores_only_what_xgrammar_ignores(chosen.entry.warnings):
                 return chosen
+        if self._xgrammar_would_queue(xgrammar_id):
+            # Queued behind other compiles, xgrammar would spend the budget waiting (most of a burst did, then
+            # fell back anyway: docs/benchmarks.md, "Backend coverage").
+            try:
+                return await self._compile_llguidance(fingerprint, spec, timeout, XGRAMMAR_BUSY)
+            except (InvalidGrammarError, CompileTimeoutError):
+                pass  # llguidance cannot serve it: waiting for xgrammar is the only answer left
         start = time.monotonic()
+        budget = min(self.fallback_after_seconds, timeout)
         first = asyncio.ensure_future(self._compile(fingerprint, spec, timeout, caller))
+        # llguidance's grammar is built from half the budget on, beside xgrammar's compile, so a fallback at the
+        # budget does not wait for it too.
+        hedge = None
         try:
-            done, _ = await asyncio.wait({first}, timeout=min(self.fallback_after_seconds, timeout))
+            done, _ = await asyncio.wait({first}, timeout=budget / 2)
+            if not done:
+                hedge = asyncio.ensure_future(self._compile_llguidance(
+                    fingerprint, spec, timeout - (time.monotonic() - start), XGRAMMAR_SLOW))
+                hedge.add_done_callback(_consume)
+                done, _ = await asyncio.wait({first}, timeout=max(0.0, budget - (time.monotonic() - start)))
         except BaseException:
             first.cancel()  # the caller went away: so does its share of the compile
+            if hedge is not None:
+                hedge.cancel()
             raise
         if not done:
             try:
-                result = await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start),
-                                                        XGRAMMAR_SLOW)
+                result = await hedge
             except BaseException as e:
                 if not isinstance(e, (InvalidGrammarError, CompileTimeoutError)):
                     first.cancel()
@@ -223,9 +266,15 @@ class GrammarBackend:
                     raise _neither_serves(spec, self.fallback_after_seconds, e) from None
                 # llguidance ran out of time: xgrammar's compile, still running, is the answer after all.
                 return replace(await first, reason=DEFAULT)
-            # Cancelling the last waiter stops xgrammar's compile (its worker is killed).
-            first.cancel()
+            if result.entry.backend_reason == XGRAMMAR_BUSY:
+                # Tried now, and slow: the next request is answered from the fallback without trying again.
+                self.cache.put(replace(result.entry, backend_reason=XGRAMMAR_SLOW))
+            self._outlive(xgrammar_id, first)
             return result
+        if hedge is not None:
+            # xgrammar answered within the budget after all: llguidance's grammar, built for nothing, is not
+            # left cached as if xgrammar had been slow.
+            hedge.add_done_callback(lambda f: self._forget_hedge(f))
         try:
             return replace(first.result(), reason=DEFAULT)
         except InvalidGrammarError as e:
@@ -243,6 +292,38 @@ class GrammarBackend:
                 # (A deadline shorter than the budget ran out on the caller's side: DEADLINE_EXCEEDED, below.)
                 raise _neither_serves(spec, timeout, e) from None
             raise refusal from None  # both refuse it: xgrammar's reason is the one clients know
+
+    def _xgrammar_would_queue(self, xgrammar_id: str) -> bool:
+        """Whether an xgrammar compile of this grammar asked for now would wait for a worker: none idle or
+        starting that no earlier compile waits for. A compile that outlived its budget gives its worker up
+        (the oldest first) rather than send a request to the fallback, where nothing else waits."""
+        if xgrammar_id in self._inflight:
+            return False  # joining a compile in flight takes no worker
+        pool = self.pool
+        if pool.idle_workers + pool.starting_workers > pool.waiting_jobs:
+            return False
+        while self._outlived and pool.waiting_jobs == 0:
+            _, task = self._outlived.popitem(last=False)
+            if not task.done():
+                task.cancel()  # its worker is killed and replaced: this request waits for that one
+                return False
+        return True
+
+    def _outlive(self, xgrammar_id: str, task: asyncio.Future) -> None:
+        """An xgrammar compile past the budget goes on (its caller has llguidance's answer) and finishes into
+        the cache, within the request's deadline, unless its worker is wanted first (_xgrammar_would_queue)."""
+        self._outlived[xgrammar_id] = task
+        task.add_done_callback(_consume)
+        task.add_done_callback(lambda f: self._outlived.pop(xgrammar_id, None) if self._outlived.get(
+            xgrammar_id) is f else None)
+
+    def _forget_hedge(self, hedge: asyncio.Future) -> None:
+        if hedge.cancelled() or hedge.exception() is not None:
+            return
+        result = hedge.result()
+        if not result.cache_hit:
+            self.cache.drop(result.entry.grammar_id)
+            self.metrics.cache_bytes.set(self.cache.bytes)
 
     async def _compile_llguidance(self, fingerprint: str, spec: GrammarSpec, timeout: float,
                                   reason: str) -> CompileResult:
@@ -433,6 +514,12 @@ def _neither_serves(spec: GrammarSpec, seconds: float, llguidance_refusal: Inval
         f"{spec.kind.value}: no grammar backend serves this constraint: xgrammar did not compile it within "
         f"{seconds:g} s and {llguidance_refusal}. Rewrite that part of the constraint, or ask for backend xgrammar "
         "with a long compile deadline (up to the replica's --max-compile-timeout-seconds)")
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Retrieves the outcome of a task nobody awaits (a hedge not needed, a compile that outlived its caller)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _memory_cap(limit_bytes: int) -> str:

@@ -81,6 +81,13 @@ class GrammarCache:
             self._entries.move_to_end(grammar_id)
             return entry
 
+    def drop(self, grammar_id: str) -> None:
+        """Forgets one entry, if cached."""
+        with self._lock:
+            old = self._entries.pop(grammar_id, None)
+            if old is not None:
+                self._bytes -= old.memory_bytes
+
     def drop_tokenizer(self, fingerprint: str) -> int:
         """Forgets the grammars compiled for an evicted tokenizer (live sessions keep their own reference)."""
         with self._lock:
