@@ -14,6 +14,7 @@ bytes, the stream's error event and [DONE] after a failure past its headers, and
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
@@ -156,7 +157,9 @@ def test_a_disconnect_cancels_the_work_and_raises_client_gone():
     assert run(go()) == (True, 2)  # other events are read past, up to the disconnect
 
 
-def test_work_that_fails_as_it_is_stopped_still_raises_client_gone():
+def test_work_that_fails_as_it_is_stopped_still_raises_client_gone(caplog):
+    caplog.set_level(logging.DEBUG, logger="gateway.exchange")
+
     async def go():
         client = Client({"type": "http.disconnect"})
 
@@ -168,6 +171,9 @@ def test_work_that_fails_as_it_is_stopped_still_raises_client_gone():
         with pytest.raises(ClientGone):
             await until_disconnect(client.receive, work())
     run(go())
+    (logged,) = [r for r in caplog.records if r.name == "gateway.exchange"]
+    assert logged.getMessage() == "work failed after its client left" and logged.levelno == logging.DEBUG
+    assert logged.exc_info[0] is RuntimeError  # with its traceback
 
 
 def test_cancelling_the_wait_cancels_the_work_and_the_watch():
@@ -282,6 +288,8 @@ def test_the_first_token_is_timed_when_it_arrives():
     s = stream(call, ChatReply(translated(), "chatcmpl-1", 5), m)
     client = Client()
     run(s(None, client.receive, client.send))
+    assert client.sent[0]["headers"] == [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                         (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
     assert counts(m)["ttft"] == 1 and call.reads == 4
     assert sample(m, "gateway_time_to_first_token_seconds_sum", route=ROUTE) <= sample(
         m, "gateway_request_duration_seconds_sum", route=ROUTE)
