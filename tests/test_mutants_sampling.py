@@ -290,6 +290,14 @@ def test_penalties_and_bias_on_exact_values():
                                [(0, np.array([0, 1, 3]), 2.0)],
                                [(0, np.array([2, 4]), np.array([1.0, 3.0], dtype=np.float32), 0.5, 0.25)])
     assert bad == {1} and y.tolist() == [[1.5, -4.0, -0.25, NEG_INF, 2.25], [1.0] * 5]
+    # A history id past the row (a penalty's, an occurrence's): that row is left out of what follows, the others
+    # are exact.
+    y = torch.tensor([[2.0, -2.0, 0.5, NEG_INF, 4.0], [1.0] * 5, [2.0] * 5])
+    bad = sampling.adjust_rows(y, [], [(1, np.array([0, 5]), 2.0), (0, np.array([0, 1, 3]), 2.0)],
+                               [(2, np.array([-1]), np.array([1.0], dtype=np.float32), 0.5, 0.25),
+                                (1, np.array([0]), np.array([1.0], dtype=np.float32), 0.5, 0.25),
+                                (0, np.array([2]), np.array([2.0], dtype=np.float32), 1.0, 1.0)])
+    assert bad == {1, 2} and y.tolist() == [[1.0, -4.0, -2.5, NEG_INF, 4.0], [1.0] * 5, [2.0] * 5]
 
 
 # ---------------------------------------------------------------- greedy
