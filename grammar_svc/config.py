@@ -31,7 +31,9 @@ class GrammarServiceConfig:
     # falling back to llguidance for what xgrammar refuses or has not compiled after fallback_after_seconds, or
     # cannot start at once for want of a free compile worker).
     grammar_backend: str = "auto"
-    fallback_after_seconds: float = 2.0
+    # Under issue 26's first-token target, not at it: at the budget llguidance's grammar is ready, and the
+    # session's open and first mask still come after it (docs/benchmarks.md, "Backend coverage").
+    fallback_after_seconds: float = 1.5
     # Upper bound on the compile deadline a client may ask for (CompileRequest.timeout_seconds).
     max_compile_timeout_seconds: float = 60.0
     # How long a compile timeout is answered from the cache (it may have been the load's doing).

@@ -101,7 +101,7 @@ class GrammarBackend:
                  compile_lane_after_seconds: float = 0.5, max_tokenizers: int = 16,
                  max_compiles_per_caller: int = 64,
                  tokenizers_in_sessions: Callable[[], set[str]] = set, worker_memory_limit_bytes: int = 0,
-                 grammar_backend: str = AUTO, fallback_after_seconds: float = 2.0):
+                 grammar_backend: str = AUTO, fallback_after_seconds: float = 1.5):
         self.grammar_backend = grammar_backend
         self.fallback_after_seconds = fallback_after_seconds
         self._tokenizers_in_sessions = tokenizers_in_sessions

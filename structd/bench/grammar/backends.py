@@ -61,7 +61,7 @@ def add_arguments(parser) -> None:
                         help="backend choices to measure, e.g. xgrammar,llguidance,auto")
     parser.add_argument("--coverage-concurrency", type=lambda t: [int(x) for x in t.split(",") if x.strip()],
                         default=[1, 16], help="requests in flight per pass, e.g. 1,16")
-    parser.add_argument("--fallback-after-seconds", type=float, default=2.0,
+    parser.add_argument("--fallback-after-seconds", type=float, default=1.5,
                         help="the server's --fallback-after-seconds in the coverage passes")
     parser.add_argument("--coverage-walk-steps", type=int, default=300,
                         help="measured walk steps per backend and batch size (0: no walks)")
