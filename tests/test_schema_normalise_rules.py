@@ -91,10 +91,9 @@ BOUNDS = [
       ("maxLength", "maxItems", "maxProperties", "maximum", "maxContains", "exclusiveMaximum")),
     *(case({"allOf": [{k: 5}, {k: 2}]}, {k: 2}, f"{k}-smaller-second") for k in ("maximum", "exclusiveMaximum")),
     case({"allOf": [{"minimum": 1.5}, {"minimum": 1}]}, {"minimum": 1.5}, "float-bound"),
-    case({"allOf": [{"minimum": "2"}, {"minimum": 5}]}, {"allOf": [{"minimum": "2"}, {"minimum": 5}]},
-         "string-bound-left"),
-    case({"allOf": [{"maximum": 5}, {"maximum": "2"}]}, {"allOf": [{"maximum": 5}, {"maximum": "2"}]},
-         "string-bound-second-left"),
+    *(case({"allOf": [{k: a}, {k: b}]}, {"allOf": [{k: a}, {k: b}]}, f"{k}-{'first' if a == '2' else 'second'}-"
+           "not-a-number-left") for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+      for a, b in (("2", 5), (5, "2"))),
     case({"allOf": [{"minLength": True}, {"minLength": 2}]}, {"allOf": [{"minLength": True}, {"minLength": 2}]},
          "boolean-bound-left"),
     case({"allOf": [{"exclusiveMinimum": True, "minimum": 1}, {"exclusiveMinimum": False, "minimum": 1}]},
@@ -137,6 +136,17 @@ KEYWORDS = [
     case({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
          {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"type": "integer"}}}]},
          "property-conflict-left"),
+    case({"allOf": [{"properties": {"a": True}}, {"properties": {"a": {"type": "string"}}}]},
+         {"properties": {"a": {"type": "string"}}}, "property-true-and-a-schema"),
+    case({"allOf": [{"properties": {"a": False}}, {"properties": {"a": {"type": "string"}}}]},
+         {"allOf": [{"properties": {"a": False}}, {"properties": {"a": {"type": "string"}}}]},
+         "property-false-and-a-schema-left"),
+    case({"allOf": [{"properties": {"a": 1}}, {"properties": {"a": {"type": "string"}}}]},
+         {"allOf": [{"properties": {"a": 1}}, {"properties": {"a": {"type": "string"}}}]},
+         "property-not-a-schema-left"),
+    case({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": 1}}]},
+         {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": 1}}]},
+         "property-second-not-a-schema-left"),
     case({"allOf": [{"properties": []}, {"properties": {"a": {}}}]},
          {"allOf": [{"properties": []}, {"properties": {"a": {}}}]}, "properties-not-a-map-left"),
     case({"allOf": [{"properties": {"a": {}}}, {"properties": []}]},
@@ -259,6 +269,19 @@ REFS = [
           "allOf": [{"properties": {"p": {"maxLength": 3}}}, {"properties": {"p": {"$ref": "#/definitions/s"}}}]},
          {"definitions": {"s": {"type": "string"}}, "properties": {"p": {"maxLength": 3, "type": "string"}}},
          "ref-second-inside-a-merged-property"),
+    case({"definitions": {"s": {"type": "string"}},
+          "properties": {"a": {"allOf": [{"$ref": "#/definitions/s"}]},
+                         "b": {"allOf": [{"$ref": "#/definitions/s"}, {"maxLength": 2}]}}},
+         {"definitions": {"s": {"type": "string"}},
+          "properties": {"a": {"type": "string"}, "b": {"type": "string", "maxLength": 2}}}, "same-ref-twice"),
+    case({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"t": True},
+          "allOf": [{"$ref": "#/$defs/t", "minLength": 1}]},
+         {"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"t": True}, "minLength": 1},
+         "ref-to-true-beside-keywords"),
+    case({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"f": False},
+          "allOf": [{"$ref": "#/$defs/f", "minLength": 1}]},
+         {"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"f": False},
+          "allOf": [{"$ref": "#/$defs/f", "minLength": 1}]}, "ref-to-false-beside-keywords-left"),
     case({"allOf": [{"$ref": "#/definitions/s", "required": ["x"]}], "definitions": {"s": {"type": "object"}}},
          {"definitions": {"s": {"type": "object"}}, "type": "object"}, "draft-7-ref-siblings-ignored"),
     case({"$schema": "https://json-schema.org/draft/2019-09/schema", "$defs": {"s": {"type": "object"}},
@@ -312,6 +335,8 @@ NOT_TYPE = [
     case({"not": {"type": "integer"}}, {"type": NO_NUMBERS}, "not-integer-no-numbers"),
     case({"not": {"type": "number"}}, {"type": NO_NUMBERS}, "not-number"),
     case({"not": {"type": ["string", "null"]}}, {"type": ["object", "array", "number", "boolean"]}, "not-two-types"),
+    case({"not": {"type": ["string", "integer"]}}, {"type": ["object", "array", "boolean", "null"]},
+         "not-a-type-and-integer"),
     case({"not": {"type": ["object", "array", "string", "boolean", "null"]}}, {"type": ["number"]},
          "only-numbers-left"),
     case({"minimum": 1, "not": {"type": "object"}}, {"minimum": 1, "type": ["array", "string", "number", "boolean",
@@ -521,6 +546,10 @@ REFUSED = [
     pytest.param({"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {"maxLength": 1}}}]}, 6,
                  message("normalising it produced more than 6 schema nodes", "/allOf/1/properties/a"),
                  id="merging-a-property"),
+    pytest.param({"properties": {"p": {"allOf": [{"properties": {"a": {"type": "string"}, "b": {"type": "string"}}},
+                                                 {"properties": {"a": {"maxLength": 1}, "b": {"maxLength": 1}}}]}}}, 10,
+                 message("normalising it produced more than 10 schema nodes", "/properties/p/allOf/1/properties/b"),
+                 id="merging-the-next-property"),
     pytest.param({"allOf": [{"items": {"type": "string"}}, {"items": {"maxLength": 1}}]}, 6,
                  message("normalising it produced more than 6 schema nodes", "/allOf/1/items"), id="merging-items"),
     pytest.param({"enum": [[1], [2]]}, 3, message("normalising it would write more than 3 schema nodes", None),
@@ -553,6 +582,8 @@ def test_past_the_budget_or_the_depth_the_schema_is_refused_naming_where(schema,
     pytest.param({"enum": [[1], [2]]}, 4, id="values"),
     pytest.param(ANY_OF_TWO, 7, id="two-branches"),
     pytest.param(REF_ONLY, 6, id="ref"),
+    pytest.param({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "string"}},
+                  "allOf": [{"$ref": "#/$defs/s"}]}, 6, id="ref-without-siblings-copied-once"),
     pytest.param(nested("items", MAX_DEPTH - 1), 10_000, id="nested-to-the-limit"),
     pytest.param({"enum": [nested_lists(MAX_DEPTH - 2)]}, 10_000, id="value-nested-to-the-limit"),
 ])
@@ -566,6 +597,14 @@ def test_a_shared_subtree_is_counted_where_it_is_written():
     assert normalise_schema(schema, 6) == {**schema, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
     with pytest.raises(RequestTooLargeError, match="would write more than 5 schema nodes"):
         normalise_schema(schema, 5)
+
+
+def test_the_default_budget_counts_the_input():
+    # 100 branches each get a copy of 1,002 siblings' nodes: past the base budget, within 4 per input node more.
+    schema = {"properties": {f"p{i}": {} for i in range(1000)}, "anyOf": [{}] * 100}
+    assert len(normalise_schema(schema)["anyOf"]) == 100
+    with pytest.raises(RequestTooLargeError, match="produced more than 100000 schema nodes"):
+        normalise_schema(schema, 100_000)
 
 
 def test_the_default_budget_grows_with_the_schema():
