@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import time
 
 import pytest
 
@@ -13,6 +15,7 @@ from shared.errors import InvalidRequestError
 
 DEEPSEEK = load_family("deepseek")
 QWEN = load_family("qwen")
+LLAMA3 = load_family("llama3")  # its end marker is "}": every brace inside the arguments looks like it
 
 
 def call_text(family, name: str, arguments: str) -> str:
@@ -68,6 +71,15 @@ CASES = [
                  '<tool_call>\n{"name": "f", "args": {}}\n</tool_call>', [], id="qwen-wrong-shape-is-text"),
     pytest.param(QWEN, "<tool_call> is how I call tools", "<tool_call> is how I call tools", [],
                  id="qwen-trigger-prefix-only"),
+    pytest.param(QWEN, call_text(QWEN, "f", '{"a":[1}'), call_text(QWEN, "f", '{"a":[1}'), [],
+                 id="qwen-unbalanced-brackets-are-text"),
+    pytest.param(LLAMA3, call_text(LLAMA3, "f", r'{"code": "if (a) { b(\"}\"); }", "p": "\\", "q": [{}]}'), "",
+                 [("f", r'{"code":"if (a) { b(\"}\"); }","p":"\\","q":[{}]}')],
+                 id="llama3-braces-quotes-and-backslashes-in-strings"),
+    pytest.param(DEEPSEEK, block(DEEPSEEK, call_text(DEEPSEEK, "f", '{"a": 1} \n ')), "", [("f", '{"a":1}')],
+                 id="deepseek-space-before-the-end-marker"),
+    pytest.param(DEEPSEEK, block(DEEPSEEK, call_text(DEEPSEEK, "f", '{"a": 1} x')),
+                 block(DEEPSEEK, call_text(DEEPSEEK, "f", '{"a": 1} x')), [], id="deepseek-text-after-the-object"),
 ]
 
 
@@ -178,3 +190,25 @@ def test_a_call_cut_off_gives_its_pieces_so_far_and_returns_its_markup_as_conten
     deltas = parser.take_deltas()
     assert (content + rest, calls + more) == (text, [])
     assert deltas[0].name == "f" and "".join(d.arguments_fragment for d in deltas) == '{"a":'
+
+
+def _parse_seconds(family: ModelFamily, characters: int) -> float:
+    """CPU seconds to parse one call whose code argument has about `characters` characters, 4 at a time."""
+    code = "".join(f"fn f{i}() {{ if (x) {{ return {{a: {i}}}; }} }}\n" for i in range(characters // 40))
+    text = block(family, call_text(family, "f", json.dumps({"code": code})))
+    best = math.inf
+    for _ in range(2):
+        parser, calls, start = ToolCallParser(family), [], time.process_time()
+        for at in range(0, len(text), 4):
+            calls += parser.push(text[at:at + 4])[1]
+        calls += parser.finish()[1]
+        best = min(best, time.process_time() - start)
+        assert json.loads(calls[0].arguments_json) == {"code": code}
+    return best
+
+
+@pytest.mark.parametrize("family", [pytest.param(LLAMA3, id="llama3"), pytest.param(DEEPSEEK, id="deepseek")])
+def test_a_long_argument_streamed_costs_time_in_proportion_to_its_length(family):
+    # A ratio of one run, not a time: four times the text may cost at most about four times as much (linear),
+    # where re-reading the arguments per token made it 16 times (quadratic) or, with Llama 3's "}" marker, 64.
+    assert _parse_seconds(family, 64_000) < 8 * _parse_seconds(family, 16_000)

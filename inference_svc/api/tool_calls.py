@@ -37,6 +37,7 @@ from shared.xgrammar_messages import clean_message
 MODES = ("auto", "required", "none", "named")
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _NAME_CHARS = re.compile(r"[a-zA-Z0-9_-]*")
+_LEADING_SPACE = re.compile(r"\s*")  # what str.lstrip() strips
 # A call's index (Kimi K2's functions.NAME:0): bounded, so that a model cannot write digits forever.
 MAX_INDEX_DIGITS = 4
 INDEX_PATTERN = re.compile(f"[0-9]{{1,{MAX_INDEX_DIGITS}}}")
@@ -390,13 +391,17 @@ class ToolCallParser:
         # The call being read, once its name is known: its id and how much of its arguments text has been given.
         self._open_id = ""
         self._open_sent = 0  # characters of its arguments text given (JSON arguments)
+        self._scan: _ObjectScan | None = None  # where the open call's JSON arguments close, read as they arrive
         # Parameter-tag arguments: the open call's parameters given so far (as JSON pairs), and where reading
         # its tags resumes in the buffer.
         self._xml_pairs: list[str] = []
         self._xml_stop = 0
 
     def push(self, text: str) -> tuple[str, list[ParsedToolCall]]:
-        self._buf += text
+        # Held by one local name alone, the buffer grows in place (CPython); `self._buf += text` copied all of it.
+        buf, self._buf = self._buf, ""
+        buf += text
+        self._buf = buf
         return self._drain(final=False)
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
@@ -506,31 +511,36 @@ class ToolCallParser:
             args_at = index_end + len(fmt.index_suffix)
         if self._xml is not None:
             return self._xml_call_at(name, args_at, final)
-        rest = buf[args_at:]
-        head = rest.lstrip()
-        if head and not head.startswith("{"):
+        # Positions, not slices, of the growing buffer: a long argument is streamed a token at a time.
+        args_at = _LEADING_SPACE.match(buf, args_at).end()  # the arguments' text starts at their "{"
+        if args_at < len(buf) and buf[args_at] != "{":
             return "bad", None, 0
         self._open(name)
-        args_at += len(rest) - len(head)  # the arguments' text starts at their "{"
-        end = buf.find(fmt.call_end, args_at)
-        while end >= 0:
-            arguments = _json_object(buf[args_at:end])
-            if arguments is not None:
-                self._send_arguments(buf[args_at:end])
-                return "call", self._close(name, arguments), end + len(fmt.call_end)
-            end = buf.find(fmt.call_end, end + 1)  # the marker was inside the arguments (a string): look further
+        if args_at < len(buf):
+            if self._scan is None:
+                self._scan = _ObjectScan(args_at)
+            scan = self._scan
+            closed = scan.close(buf)
+            if closed >= 0 and scan.arguments is not None:
+                # The call ends at the first end marker after the object, with only whitespace before it: an
+                # earlier marker is inside the arguments (a string), and after other text none can follow.
+                end = buf.find(fmt.call_end, closed)
+                if 0 <= end <= _skip_space(buf, closed):
+                    self._send_arguments(buf, args_at, end)
+                    return "call", self._close(name, scan.arguments), end + len(fmt.call_end)
         if final:
             self._open_id = ""
             return "bad", None, 0
-        # Every end marker so far was inside the arguments: all of the text is theirs but a tail that may yet
-        # become the marker.
-        self._send_arguments(buf[args_at:len(buf) - _held_tail(buf[args_at:], fmt.call_end)])
+        # No end marker closes the arguments yet: all of the text is theirs but a tail that may yet become the
+        # marker.
+        self._send_arguments(buf, args_at, len(buf) - _held_tail(buf, fmt.call_end, args_at))
         return "more", None, 0
 
     def _xml_call_at(self, name: str, args_at: int, final: bool) -> tuple[str, ParsedToolCall | None, int]:
         """`_call_at` for arguments written as parameter tags: each parameter is given as JSON once it is closed."""
         xml, buf = self._xml, self._buf
-        head = buf[args_at:].lstrip()
+        head_at = _LEADING_SPACE.match(buf, args_at).end()
+        head = buf[head_at:head_at + max(len(xml.key_prefix), len(xml.call_end))]
         if head and not any(head.startswith(m) or _could_start(head, m) for m in (xml.key_prefix, xml.call_end)):
             return "bad", None, 0
         if not self._open_id:
@@ -559,6 +569,7 @@ class ToolCallParser:
         if not self._open_id:
             self._open_id = "call_" + secrets.token_hex(12)
             self._open_sent = 0
+            self._scan = None
             self._deltas.append(ToolCallDelta(self._num_calls, self._open_id, name))
 
     def _close(self, name: str, arguments: str) -> ParsedToolCall:
@@ -567,11 +578,61 @@ class ToolCallParser:
         self._num_calls += 1
         return call
 
-    def _send_arguments(self, text: str) -> None:
-        """Gives the open call's arguments text up to the end of `text` (all of it known to be theirs)."""
-        if len(text) > self._open_sent:
-            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=text[self._open_sent:]))
-            self._open_sent = len(text)
+    def _send_arguments(self, buf: str, start: int, stop: int) -> None:
+        """Gives the open call's arguments text, buf[start:stop] (all of it known to be theirs), past what was given."""
+        if stop - start > self._open_sent:
+            self._deltas.append(ToolCallDelta(self._num_calls, arguments_fragment=buf[start + self._open_sent:stop]))
+            self._open_sent = stop - start
+
+
+class _ObjectScan:
+    """Where a call's JSON arguments object closes, read once as its text grows.
+
+    A JSON object ends exactly where its brackets first balance outside a string, so that is the only
+    place its text can be followed by the call's end marker; json.loads runs once, there. Trying each end
+    marker from the arguments' start instead cost a json.loads of the whole text per marker per streamed
+    token: with Llama 3's "}" as the marker, code in an argument made a call cubic in its length.
+    """
+
+    _SIGNIFICANT = re.compile(r'["\\{}\[\]]')
+
+    def __init__(self, start: int):
+        self._start = start
+        self._pos = start  # text before this position has been read
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False  # the text read ends inside a string's escape: the next character is escaped
+        self.closed = -1  # the position just past the bracket that balances the first, once read
+        self.arguments: str | None = None  # the object as compact JSON, once closed, if it is JSON
+
+    def close(self, text: str) -> int:
+        """Reads what `text` added since the last call; returns `closed` (-1 while the object is open)."""
+        pos = self._pos
+        while self.closed < 0 and pos < len(text):
+            if self._escaped:
+                pos, self._escaped = pos + 1, False
+                continue
+            found = self._SIGNIFICANT.search(text, pos)
+            if found is None:
+                pos = len(text)
+                break
+            char, pos = found.group(), found.end()
+            if self._in_string:
+                if char == '"':
+                    self._in_string = False
+                elif char == "\\":
+                    self._escaped = True
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.closed = pos
+                    self.arguments = _json_object(text[self._start:pos])
+        self._pos = pos
+        return self.closed
 
 
 # A parameter tag's value that was meant as JSON and is not (yet): its end marker was inside it.
@@ -736,9 +797,9 @@ def _could_start(text: str, marker: str) -> bool:
     return len(text) < len(marker) and marker.startswith(text)
 
 
-def _held_tail(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
+def _held_tail(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest end of text[start:] that is a proper prefix of `marker`."""
+    for n in range(min(len(text) - start, len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
             return n
     return 0
