@@ -182,17 +182,20 @@ def test_a_rollback_into_a_shared_block_with_no_block_free_takes_one_it_gave_bac
     bm.check_invariants()
 
 
-def test_a_rollback_that_needs_a_block_when_none_can_be_had_is_refused_and_changes_nothing():
-    bm = BlockManager(3, 4, prefix_caching=True)
-    _computed(bm, "a", list(range(8)))
-    _computed(bm, "b", list(range(9)))  # a's two blocks and one of its own
-    assert bm.truncate("b", 8) == 8  # its own block given back: b maps shared blocks only
-    bm.allocate("c", 4)  # and takes the last free block
+@pytest.mark.parametrize("shared_tokens", [pytest.param(8, id="cut-in-the-last-block"),
+                                           pytest.param(12, id="shared-blocks-past-the-cut")])
+def test_a_rollback_that_needs_a_block_when_none_can_be_had_is_refused_and_changes_nothing(shared_tokens):
+    num_blocks = shared_tokens // 4 + 1
+    bm = BlockManager(num_blocks, 4, prefix_caching=True)
+    _computed(bm, "a", list(range(shared_tokens)))
+    _computed(bm, "b", list(range(shared_tokens + 1)))  # a's blocks and one of its own
+    assert bm.truncate("b", shared_tokens) == shared_tokens  # its own block given back: b maps a's only
+    bm.allocate("c", 4)  # and c takes the last free block: giving back shared blocks frees none
     table = bm.block_table("b")
     with pytest.raises(OutOfBlocksError, match=r"^KV cache out of blocks: sequence 'b' needs 1 more block\(s\) of 4 "
-                                               r"tokens, 0 of 3 free$"):
+                                               rf"tokens, 0 of {num_blocks} free$"):
         bm.truncate("b", 6)
-    assert bm.num_tokens("b") == 8 and bm.block_table("b") == table
+    assert bm.num_tokens("b") == shared_tokens and bm.block_table("b") == table
     bm.check_invariants()
 
 
@@ -245,7 +248,13 @@ def test_a_spec_follows_the_models_config(config, tp_size, expected):
     spec = KVCacheSpec.from_model_config(SimpleNamespace(**config), torch.bfloat16, 8, tp_size)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == expected
     assert (spec.dtype, spec.block_size) == (torch.bfloat16, 8)
-    assert KVCacheSpec.from_model_config(SimpleNamespace(**config), torch.float16).block_size == 16
+    assert PagedKVCache(spec, 2).key[0].shape == (2, 8, expected[1], expected[2])  # whole numbers: a shape
+
+
+def test_a_spec_is_for_one_rank_and_blocks_of_16_tokens_unless_told():
+    config = SimpleNamespace(num_attention_heads=8, hidden_size=1024, num_hidden_layers=3, num_key_value_heads=4)
+    spec = KVCacheSpec.from_model_config(config, torch.float16)
+    assert (spec.num_kv_heads, spec.block_size) == (4, 16)
 
 
 def test_a_spec_refuses_kv_heads_that_do_not_split_over_the_ranks():
