@@ -213,7 +213,7 @@ def test_token_ids_inside_the_vocabulary_pass():
 def test_seen_tokens_grow_and_start_over_after_a_rollback():
     s = SeenTokens()
     history = [3, 1, 3]
-    assert sorted(s.update(history)) == [1, 3]
+    assert sorted(s.update(history)) == [1, 3] and s.update(history).dtype == np.int64
     history += [2, 2, 1]
     assert sorted(s.update(history)) == [1, 2, 3]
     assert sorted(s.update(history)) == [1, 2, 3]  # nothing new
@@ -233,7 +233,7 @@ def test_seen_tokens_grow_and_start_over_after_a_rollback():
 def test_output_counts_count_the_output_only():
     c = OutputCounts()
     ids, counts = c.update([9, 9, 4], 2)  # prompt [9, 9]
-    assert ids.tolist() == [4] and counts.tolist() == [1.0] and counts.dtype == np.float32
+    assert ids.tolist() == [4] and counts.tolist() == [1.0] and counts.dtype == np.float32 and ids.dtype == np.int64
     ids, counts = c.update([9, 9, 4, 5, 4, 4], 2)
     assert ids.tolist() == [4, 5] and counts.tolist() == [3.0, 1.0]
     ids, counts = c.update([9, 9], 2)  # a rollback to the prompt
@@ -241,6 +241,8 @@ def test_output_counts_count_the_output_only():
     ids, counts = c.update([9, 9, 9], 2)
     assert ids.tolist() == [9] and counts.tolist() == [1.0]
     assert OutputCounts().update([1, 2], 5)[0].tolist() == []  # nothing past the prompt yet
+    ids, counts = OutputCounts().update([5, 6, 5], 0)  # no prompt: every token is output
+    assert ids.tolist() == [5, 6] and counts.tolist() == [2.0, 1.0]
     long = OutputCounts()
     out = [t % 100 for t in range(250)]
     ids, counts = long.update([0] + out, 1)
@@ -325,6 +327,8 @@ def test_greedy_logprobs_are_the_log_softmax(dtype):
     assert lps[1].logprob == pytest.approx(math.log(0.5), abs=1e-6)
     assert [t for t, _ in lps[0].top] == [0, 1, 3]
     assert [v for _, v in lps[0].top] == pytest.approx([math.log(0.5), math.log(0.3), math.log(0.2)], abs=1e-6)
+    one = sample_with_logprobs(x, [RowSampler(options(temperature=0.0, top_logprobs=1))])[1][0]
+    assert [t for t, _ in one.top] == [0]
     wide = sample_with_logprobs(x, [RowSampler(options(temperature=0.0, top_logprobs=5))] * 2)[1]
     assert [t for t, _ in wide[1].top] == [3, 2, 0]  # -inf is never an alternative, 5 asked of 4 columns
     cand = sample_with_logprobs(x, [RowSampler(options(temperature=0.0, top_logprobs=2))],
@@ -340,6 +344,9 @@ def test_greedy_logprobs_of_a_few_rows_of_many():
     tokens, lps = sample_with_logprobs(x, rows, row_index=[1])
     want = torch.log_softmax(x[1], 0).tolist()
     assert tokens == [0] and lps[0].logprob == pytest.approx(want[0]) and lps[0].top == ((0, pytest.approx(want[0])),)
+    only = sample_with_logprobs(x, [RowSampler(options(temperature=0.0, logprobs=True))] * 2, row_index=[1, 2])[1]
+    assert [lp.top for lp in only] == [(), ()]
+    assert [lp.logprob for lp in only] == pytest.approx([want[0], torch.log_softmax(x[2], 0)[2].item()])
     rows = [RowSampler(options(temperature=0.0, logprobs=True)), RowSampler(options(temperature=0.0, top_logprobs=2)),
             RowSampler(options(temperature=0.0, logprobs=True))]
     tokens, lps = sample_with_logprobs(x, rows, row_index=[3, 1, 0])
@@ -379,6 +386,9 @@ SPECS = [
     pytest.param(dict(temperature=1.0, top_k=4, top_p=0.7), id="top-k-top-p"),
     pytest.param(dict(temperature=1.0, top_p=0.8, min_p=0.6), id="top-p-min-p"),
     pytest.param(dict(temperature=1.0, top_k=5, min_p=0.3), id="top-k-min-p"),
+    pytest.param(dict(temperature=1.0, top_k=7), id="top-k-whole-row"),  # as wide as the row: no cut, id order
+    pytest.param(dict(temperature=1.0, min_p=1.0), id="min-p-1"),  # the likeliest token alone
+    pytest.param(dict(temperature=1.0, top_k=9, top_p=0.9), id="top-k-past-the-row-top-p"),  # still by id
 ]
 
 
@@ -390,9 +400,26 @@ def test_small_rows_draw_the_reference_token_with_its_logprobs(spec):
     for token, lp in zip(tokens, lps):
         check_logprobs(lp, token, ids, p, 4)
     direct = [sampling._sample_row(DISTINCT, RowSampler(options(seed=s, top_logprobs=4, **spec))) for s in SEEDS]
+    one = sampling._sample_row(DISTINCT, RowSampler(options(seed=0, top_logprobs=1, **spec)))[1]
+    assert len(one.top) == 1 and one.top[0][0] == lps[0].top[0][0]
+    assert one.top[0][1] == pytest.approx(lps[0].top[0][1], abs=2e-5)
     assert [t for t, _ in direct] == tokens
     for token, (_, lp) in zip(tokens, direct):
         check_logprobs(lp, token, ids, p, 4)
+
+
+def test_ties_under_top_k_keep_the_lower_ids_of_an_allowed_list_first():
+    """Among equal logits an allowed list's likeliest-first order is by id (a stable sort; a whole row's is
+    torch.topk's)."""
+    x = torch.tensor([0.5, 2.0, 1.0, 2.0, 2.0, 1.0, 2.0, 0.0])
+    tokens = draw_specs(x, dict(temperature=1.0, top_k=3), candidates=np.array([0, 1, 2, 3, 4, 6, 7]))[0]
+    # Likeliest first: 1, 3, 4 (the first three of the 2.0s), each a third.
+    assert tokens == [[1, 3, 4][int(3 * uniform(s))] for s in SEEDS]
+
+
+def test_the_row_path_under_top_k_one_is_the_argmax():
+    assert {sampling._sample_row(DISTINCT, RowSampler(options(seed=s, top_k=1, temperature=2.0)))[0]
+            for s in range(5)} == {1}
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -401,8 +428,9 @@ def test_allowed_ids_draw_the_reference_token_among_them(spec):
     x = torch.full((12,), -3.0)
     x[cands] = torch.tensor([0.1, 1.2, -0.4, 0.9, 0.6, -1.0, 0.3, 1.0])  # what the ids outside weigh: nothing
     tokens, lps = draw_specs(x, {**spec, "top_logprobs": 3}, candidates=cands)
-    ids, p = reference(x[cands], **spec)
-    ids = cands[ids]
+    masked = torch.full((12,), NEG_INF)
+    masked[cands] = x[cands]
+    ids, p = reference(masked, **spec)  # the masked row's draw (its top_k against the whole row's width)
     assert tokens == [drawn(ids, p, uniform(s)) for s in SEEDS]
     for token, lp in zip(tokens, lps):
         check_logprobs(lp, token, ids, p, 3)
@@ -463,6 +491,18 @@ def test_a_nucleus_wider_than_the_candidates_draws_the_whole_rows_token(spec):
     assert max(tokens) > 0 and len(set(tokens)) > 30
 
 
+def test_a_target_equal_to_a_cumulative_weight_draws_the_next_token():
+    """The drawn position is the first whose cumulative weight exceeds u * total: at equality, the next one (so
+    a weight 0 is never drawn, even at u = 0)."""
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    j, total = sampling._draw_dense(w, torch.tensor([0.5, 0.0], dtype=torch.float64))
+    assert j.tolist() == [2, 2] and total.tolist() == [4.0, 2.0]
+    flat = torch.ones((3, 256))  # blocks of 128: targets 128 (a block's edge), 192 (inside one), 0
+    flat[2, :130] = 0.0
+    j, total = sampling._draw_blocked(flat, torch.tensor([0.5, 0.75, 0.0], dtype=torch.float64))
+    assert j.tolist() == [128, 192, 130] and total.tolist() == [256.0, 256.0, 126.0]
+
+
 def test_min_p_widths_count_what_min_p_keeps():
     x = torch.tensor([[0.0, -1.0, -2.0, -3.0, NEG_INF, -0.5], [NEG_INF] * 6, [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
     opts = [options(min_p=math.exp(-2.5), temperature=1.0), options(min_p=0.5), options(min_p=math.exp(-0.5),
@@ -507,7 +547,7 @@ def test_a_row_with_nan_or_nothing_finite_draws_no_drawable_token(spec):
 def test_a_temperature_that_overflows_float32_still_draws_the_argmax(spec):
     x = torch.tensor([[1.0, 3.0, 2.0, -1.0], [100.0, -5.0, 100.5, 99.0]])
     rows = [RowSampler(options(seed=s, temperature=1e-38, **spec)) for s in (4, 5)]
-    assert sample(x, rows) == [1, 2]
+    assert sample_with_logprobs(x, rows) == ([1, 2], [None, None])
     assert sampling._sample_row(x[1], RowSampler(options(seed=1, temperature=1e-38, **spec)))[0] == 2
 
 
