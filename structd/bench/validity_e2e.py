@@ -32,6 +32,7 @@ from pathlib import Path
 from structd.bench.harness import grammar_and_inference, progress, pyplot, save_figure
 from structd.bench.harness.closed_loop import closed_loop
 from structd.bench.schema_samples import validation_cause
+from structd.bench.stats import summarize
 
 PROMPT = "Write one JSON document that follows this JSON Schema, and nothing else.\n"
 
@@ -51,11 +52,15 @@ async def _one(client, row: dict, args, seed: int) -> dict:
 
     rec = {"source": row["source"], "category": row["category"], "name": row["name"]}
     text, final = [], None
+    start = time.perf_counter()
     try:
         stream = client.generate(PROMPT, json_schema=json.dumps(row["schema"]), temperature=1.0, seed=seed,
                                  max_tokens=args.e2e_max_tokens, timeout=args.e2e_timeout_seconds)
         try:
             async for chunk in stream:
+                if not text:
+                    # The request's first piece: the constraint compiled, its first mask and the prefill.
+                    rec["first_token_seconds"] = time.perf_counter() - start
                 text.append(chunk.text)
                 if chunk.finish_reason is not None:
                     final = chunk
@@ -136,6 +141,7 @@ def summarise(records: list[dict]) -> dict:
                                     if finished else None),
         "server_disagrees_on_valid": sum(1 for r in records if r["outcome"] == "valid" and not r["server_agrees"]),
         "causes": dict(Counter(r["cause"] for r in records if r.get("cause"))),
+        "first_token_seconds": summarize([r["first_token_seconds"] for r in records if "first_token_seconds" in r]),
     }
 
 
@@ -154,7 +160,12 @@ def markdown(summary: dict) -> str:
         "| valid or reported | " + (f"{100 * told:.1f}%" if told is not None else "-") + " |",
         f"| cut by max_tokens | {o.get('unfinished', 0)} |",
         f"| refused / failed (by status) | {summary['errors_by_status'] or 0} |",
+        *_first_token_row(summary.get("first_token_seconds", {})),
     ])
+
+
+def _first_token_row(s: dict) -> list[str]:
+    return [f"| first token p50 / p99 / max (s) | {s['p50']:.2f} / {s['p99']:.2f} / {s['max']:.2f} |"] if s.get("n") else []
 
 
 def plot(summary: dict, path: Path) -> None:
