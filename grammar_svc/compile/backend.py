@@ -271,20 +271,28 @@ class GrammarBackend:
                 self.cache.put(replace(result.entry, backend_reason=XGRAMMAR_SLOW))
             self._outlive(xgrammar_id, first)
             return result
-        if hedge is not None:
-            # xgrammar answered within the budget after all: llguidance's grammar, built for nothing, is not
-            # left cached as if xgrammar had been slow.
-            hedge.add_done_callback(lambda f: self._forget_hedge(f))
         try:
-            return replace(first.result(), reason=DEFAULT)
+            served = replace(first.result(), reason=DEFAULT)
         except InvalidGrammarError as e:
             refusal, reason = e, XGRAMMAR_REFUSED
         except GrammarCrashError as e:
             refusal, reason = e, XGRAMMAR_CRASHED
         except CompileTimeoutError as e:  # a remembered timeout, or a deadline shorter than the budget
             refusal, reason = e, XGRAMMAR_SLOW
+        else:
+            if hedge is not None:
+                # xgrammar answered within the budget after all: llguidance's grammar, built for nothing, is not
+                # left cached as if xgrammar had been slow.
+                hedge.add_done_callback(self._forget_hedge)
+            return served
+        if hedge is not None:
+            # llguidance's grammar is being built already: the fallback below is answered from it.
+            await asyncio.gather(hedge, return_exceptions=True)
         try:
-            return await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
+            result = await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
+            if result.entry.backend_reason != reason:
+                self.cache.put(replace(result.entry, backend_reason=reason))  # the hedge cached it as slow
+            return result
         except (InvalidGrammarError, CompileTimeoutError) as e:
             if (reason == XGRAMMAR_SLOW and isinstance(e, InvalidGrammarError)
                     and timeout >= self.fallback_after_seconds):
