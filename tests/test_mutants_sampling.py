@@ -381,6 +381,7 @@ SPECS = [
     pytest.param(dict(temperature=0.7, top_k=6), id="top-k-6"),
     pytest.param(dict(temperature=1.0, top_p=0.65), id="top-p"),
     pytest.param(dict(temperature=1.0, top_p=0.9), id="top-p-0.9"),
+    pytest.param(dict(temperature=1.0, top_p=0.2), id="top-p-one-token"),
     pytest.param(dict(temperature=1.0, min_p=0.5), id="min-p"),
     pytest.param(dict(temperature=2.0, min_p=0.3), id="min-p-t2"),
     pytest.param(dict(temperature=1.0, top_k=4, top_p=0.7), id="top-k-top-p"),
@@ -527,6 +528,28 @@ def test_top_is_torch_topk(width, k):
 
 
 # ---------------------------------------------------------------- the row path and the batch's fallbacks
+
+
+def test_a_row_the_batch_leaves_to_the_row_path_draws_its_first_uniform_there():
+    """A nearly flat row whose nucleus reaches past the candidates, beside a peaked one the batch draws: each
+    row's token is the reference's for the first uniform of its own generator."""
+    x = torch.stack([gentle(2000, 8, 0.3), gentle(2000, 9, 4.0)])
+    for seed in range(6):
+        tokens = sample(x, [RowSampler(options(seed=seed, top_p=0.9)), RowSampler(options(seed=seed + 50, top_p=0.9))])
+        assert tokens == [expected(x[0], seed, top_p=0.9), expected(x[1], seed + 50, top_p=0.9)]
+
+
+def test_rows_named_in_a_wider_batch_draw_from_their_own_logits():
+    x = torch.tensor([[0.0, 5.0], [5.0, 0.0], [0.0, 0.0]])  # two columns, three rows: rows [0, 1] are not all
+    rows = [RowSampler(options(seed=s, temperature=0.01)) for s in (1, 2)]
+    assert sample(x, rows, row_index=[0, 1]) == [1, 0]
+    assert sample(x, [RowSampler(options(seed=1, temperature=0.01))] * 2, row_index=[1, 0]) == [0, 1]
+
+
+def test_a_row_with_nothing_finite_beside_a_nucleus_in_the_batch():
+    x = torch.stack([DISTINCT, torch.full((7,), NEG_INF)])
+    tokens = sample(x, [RowSampler(options(seed=3, top_p=0.65)), RowSampler(options(seed=4, min_p=0.5))])
+    assert tokens[0] == expected(DISTINCT, 3, top_p=0.65) and not 0 <= tokens[1] < 7
 
 
 @pytest.mark.parametrize("spec", [pytest.param(dict(), id="plain"), pytest.param(dict(min_p=0.5), id="min-p")])
