@@ -315,22 +315,19 @@ def test_a_schema_xgrammar_compiles_slowly_is_served_by_llguidance(auto_server, 
     assert result.accepted_count == len(tokens) + 1
 
 
-def test_a_compile_that_outlived_its_budget_keeps_its_worker_and_the_next_request_gets_a_lane(auto_server,
-                                                                                              tokenizer_desc):
+def test_a_compile_that_outlived_its_budget_gives_its_worker_up_to_the_next_request(auto_server, tokenizer_desc):
     """The one worker still compiling a grammar whose request llguidance answered is no reason to send the next
-    schema to llguidance as busy: the pool opens a lane for it, and the compile that outlived its budget goes on
-    (its worker is not killed)."""
+    schema to llguidance as busy: that compile is stopped and its worker replaced for the new request."""
     first = call(auto_server.target, lambda client: client.compile(
         tokenizer_desc.fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), timeout_seconds=60.0,
         rpc_timeout=120))
     assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
     pool = auto_server.server.backend.pool
-    wait_until(lambda: pool.busy_workers == 1 and not pool.idle_workers and not pool.waiting_jobs,
-               "the compile is on the only worker", 120.0)
+    wait_until(lambda: pool.busy_workers == 1 and not pool.waiting_jobs, "the compile is on the worker", 120.0)
     abandoned = restarts(auto_server, "abandoned")
     out = auto_compile(auto_server, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
     assert out.backend_reason != "xgrammar_busy"
-    assert restarts(auto_server, "abandoned") == abandoned
+    assert restarts(auto_server, "abandoned") == abandoned + 1
 
 
 def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):

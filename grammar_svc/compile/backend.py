@@ -303,15 +303,12 @@ class GrammarBackend:
 
     def _xgrammar_would_queue(self, xgrammar_id: str) -> bool:
         """Whether an xgrammar compile of this grammar asked for now would wait for a worker: none idle or
-        starting that no earlier compile waits for. Where compiles that outlived their budget hold the workers
-        and nothing else waits, the request waits for a lane the pool opens beside them or, at
-        --max-compile-workers, for the worker of the oldest of them, stopped: not sent to the fallback."""
+        starting that no earlier compile waits for. A compile that outlived its budget gives its worker up
+        (the oldest first) rather than send a request to the fallback, where nothing else waits."""
         if xgrammar_id in self._inflight:
             return False  # joining a compile in flight takes no worker
         pool = self.pool
         if pool.idle_workers + pool.starting_workers > pool.waiting_jobs:
-            return False
-        if self._outlived and pool.waiting_jobs == 0 and pool.can_open_lane:
             return False
         while self._outlived and pool.waiting_jobs == 0:
             _, task = self._outlived.popitem(last=False)

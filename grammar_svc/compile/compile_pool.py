@@ -457,11 +457,6 @@ class CompilePool:
         return self._starting
 
     @property
-    def can_open_lane(self) -> bool:
-        """Whether the pool is below max_workers: a job waiting behind long-held workers gets a lane."""
-        return len(self._all) + self._starting < self._max
-
-    @property
     def waiting_jobs(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
