@@ -411,6 +411,47 @@ def test_a_request_chooses_its_backend_and_the_memo_keeps_them_apart(llguidance_
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "tools" in info.value.message
 
 
+def test_the_memo_does_not_keep_a_fallback_chosen_while_every_worker_was_busy(llguidance_stack, tokenizer_desc):
+    """A request asking for auto while the replica's one compile worker is busy gets llguidance (xgrammar_busy),
+    which the inference service does not remember: the next request for the constraint compiles again, and with
+    the worker free gets xgrammar's grammar, which is remembered."""
+    from shared.inference_client import InferenceClient
+
+    srv, grammar = llguidance_stack
+    pool = grammar.server.backend.pool
+    pattern = f"{salt()[:6]}[a-c]{{2,4}}"
+    picks = [("llguidance", "xgrammar_busy"), ("xgrammar", "default")]
+    before = {labels: choices(grammar, *labels) for labels in picks}
+
+    def complete() -> None:
+        with InferenceClient(srv.target) as client:
+            out = client.complete("go", max_tokens=32, temperature=1.0, seed=7, timeout=120, regex=pattern,
+                                  grammar_backend="auto")
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+
+    async def while_busy():
+        client = GrammarClient(grammar.target)
+        await client.register_tokenizer(tokenizer_desc)
+        holder = asyncio.ensure_future(compile_on(client, tokenizer_desc.fingerprint,
+                                                  json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 60.0))
+        try:
+            while pool.idle_workers or not pool.busy_workers:
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(complete)
+        finally:
+            holder.cancel()  # its worker is killed and replaced
+            await asyncio.gather(holder, return_exceptions=True)
+            await client.close()
+
+    wait_until(lambda: pool.idle_workers == 1, "the compile worker is free", timeout=120.0)
+    run(while_busy())
+    wait_until(lambda: pool.idle_workers == 1, "the compile worker is replaced", timeout=120.0)
+    complete()
+    complete()  # answered from the memo: no third Compile
+    assert {labels: choices(grammar, *labels) - before[labels] for labels in picks} == {
+        ("llguidance", "xgrammar_busy"): 1, ("xgrammar", "default"): 1}
+
+
 def test_a_schema_nested_past_json_recursion_has_no_llguidance_only_feature():
     """The feature scan runs before the compile's own checks: a schema nested 1,000 deep must reach those (which
     refuse it, naming the nesting), not end the request INTERNAL on json's RecursionError."""

@@ -31,7 +31,8 @@ grammar id and warnings, `COMPILED_MEMO_ENTRIES`): the next request with the
 same constraint (its grammar backend included) placed there opens its session at once, without the RPC (the
 RPC and its task were a visible share of the inference process's CPU at a
 high rate of new requests: docs/benchmarks.md, "Host path, second round",
-item 2). The memo is dropped whenever the replica may have lost
+item 2), except an answer the replica gave for want of a free compile worker
+(`PROVISIONAL_BACKEND_REASONS`), which it may answer better next time. The memo is dropped whenever the replica may have lost
 its cache (its stream broke, a compile found it unregistered, it left DNS).
 Should the replica have evicted the grammar meanwhile, the session's open
 fails NOT_FOUND and the request is replayed like any forgotten session;
@@ -92,6 +93,9 @@ _REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RES
 # Constraints longer than COMPILED_MEMO_MAX_CONSTRAINT_CHARS are not remembered (at most ~16 MB of keys a replica).
 COMPILED_MEMO_ENTRIES = 1024
 COMPILED_MEMO_MAX_CONSTRAINT_CHARS = 16 * 1024
+# CompileResponse.backend_reason of an answer not remembered: auto's llguidance fallback because no compile worker
+# was free. The replica tries xgrammar again for the next request once a worker is, so that request asks again.
+PROVISIONAL_BACKEND_REASONS = frozenset({"xgrammar_busy"})
 
 
 def compile_error(e: grpc.aio.AioRpcError, target: str) -> errors.StructdError:
@@ -502,7 +506,8 @@ class GrammarTier:
         for w in resp.warnings:
             log.info("grammar %s: %s", resp.grammar_id[:12], w)
         warnings = tuple(SchemaWarning(w.keyword, w.json_pointer, w.message) for w in resp.warning_details)
-        r.remember(constraint, resp.grammar_id, warnings)
+        if resp.backend_reason not in PROVISIONAL_BACKEND_REASONS:
+            r.remember(constraint, resp.grammar_id, warnings)
         return resp.grammar_id, warnings
 
     async def check_output(self, replica: int, constraint: Constraint, grammar_id: str, token_ids: list[int],
