@@ -32,9 +32,9 @@ same constraint (its grammar backend included) placed there opens its session at
 RPC and its task were a visible share of the inference process's CPU at a
 high rate of new requests: docs/benchmarks.md, "Host path, second round",
 item 2), except an answer the replica gave for want of a free compile worker
-(`PROVISIONAL_BACKEND_REASONS`), which it may answer better next time. The memo is dropped whenever the replica may have lost
-its cache (its stream broke, a compile found it unregistered, it left DNS).
-Should the replica have evicted the grammar meanwhile, the session's open
+(`PROVISIONAL_BACKEND_REASONS`), which it may answer better next time. The
+memo is dropped whenever the replica may have lost its cache (its stream
+broke, a compile found it unregistered, it left DNS). Should the replica have evicted the grammar meanwhile, the session's open
 fails NOT_FOUND and the request is replayed like any forgotten session;
 replays always compile by RPC.
 """
