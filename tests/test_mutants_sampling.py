@@ -178,6 +178,7 @@ def test_defaults_and_types():
     assert o.logit_bias == ((1, -1.0), (4, 2.0))  # by id, the zero left out
     assert options(top_p=1.0).top_p == 1.0 and options().logprobs is False
     assert options().include_stop_str_in_output is False
+    assert (options().min_tokens, options().top_logprobs, options().n, options().repetition_penalty) == (0, 0, 1, 1.0)
 
 
 def test_each_completion_gets_its_own_seed():
@@ -409,6 +410,22 @@ def test_small_rows_draw_the_reference_token_with_its_logprobs(spec):
         check_logprobs(lp, token, ids, p, 4)
 
 
+@pytest.mark.parametrize("spec", [pytest.param(dict(temperature=1.0), id="t1"),
+                                  pytest.param(dict(temperature=1.0, top_k=4), id="top-k")])
+def test_allowed_lists_of_different_lengths_each_draw_their_own(spec):
+    """One matrix for lists of 1, 3 and 6 ids (the shorter padded): each row draws only its ids, at their
+    weights."""
+    cands = [np.array([5]), np.array([0, 2, 9]), np.array([1, 2, 3, 6, 8, 11])]
+    x = torch.stack([gentle(12, s) for s in range(3)])
+    for seed in range(12):
+        rows = [RowSampler(options(seed=seed * 3 + r, **spec)) for r in range(3)]
+        tokens = sample(x, rows, candidates=cands)
+        for r, ids in enumerate(cands):
+            masked = torch.full((12,), NEG_INF)
+            masked[ids] = x[r, ids]
+            assert tokens[r] == expected(masked, seed * 3 + r, **spec)
+
+
 def test_ties_under_top_k_keep_the_lower_ids_of_an_allowed_list_first():
     """Among equal logits an allowed list's likeliest-first order is by id (a stable sort; a whole row's is
     torch.topk's)."""
@@ -476,6 +493,21 @@ def test_wide_rows_under_a_cut_draw_the_reference_token(spec):
     assert tokens == [drawn(ids, p, uniform(s)) for s in SEEDS]
     for token, lp in zip(tokens, lps):
         check_logprobs(lp, token, ids, p, 2)
+
+
+# Weights relative to the likeliest token: 2.0 among the 4 likeliest, 0.45 beyond them.
+OUTSIDE = torch.tensor([math.log(w) for w in (0.1, 0.5, 0.05, 0.02, 1.0, 0.1, 0.3, 0.01, 0.2, 0.1, 0.05, 0.02)])
+
+
+@pytest.mark.parametrize("top_p", [pytest.param(0.6, id="two-kept"), pytest.param(0.05, id="one-kept")])
+def test_a_nucleus_among_the_candidates_weighs_what_lies_beyond_them(top_p, monkeypatch):
+    """Drawn among its 4 likeliest tokens, a top_p row's nucleus still counts the mass beyond them: at top_p 0.6
+    it keeps 1 and 0.5 (the tokens left out, 0.01 to 0.3, hold 0.95 <= 0.4 * 2.45), where the candidates alone
+    would keep 0.3 too."""
+    monkeypatch.setattr(sampling, "_NUCLEUS_CANDIDATES", 4)
+    tokens = draw_specs(OUTSIDE, dict(top_p=top_p))[0]
+    assert tokens == [expected(OUTSIDE, s, top_p=top_p) for s in SEEDS]
+    assert set(tokens) == ({4, 1} if top_p == 0.6 else {4})
 
 
 @pytest.mark.parametrize("spec", [
@@ -572,6 +604,14 @@ def test_a_temperature_that_overflows_float32_still_draws_the_argmax(spec):
     rows = [RowSampler(options(seed=s, temperature=1e-38, **spec)) for s in (4, 5)]
     assert sample_with_logprobs(x, rows) == ([1, 2], [None, None])
     assert sampling._sample_row(x[1], RowSampler(options(seed=1, temperature=1e-38, **spec)))[0] == 2
+
+
+def test_each_rows_own_peak_decides_its_overflow():
+    """Beside a row whose peak is small, a row of large negative logits at a tiny temperature still takes the
+    row path (its own peak overflows logits / temperature) and draws its argmax."""
+    x = torch.tensor([[0.0, 0.5, 0.2], [-49.0, -50.0, -51.0]])
+    rows = [RowSampler(options(seed=1, temperature=1.0)), RowSampler(options(seed=2, temperature=1e-37))]
+    assert sample(x, rows) == [expected(x[0], 1), 0]
 
 
 def test_the_overflow_guard_is_exact():
