@@ -30,7 +30,11 @@ A merge this module cannot do exactly (two different `pattern`s, two
 The one exception are keywords xgrammar ignores anyway (`if`/`then`/`else`,
 `not`, `dependencies`...): where two parts of an `allOf` disagree on one, the
 first part's stays, so the rest of the merge still constrains the grammar
-(the service's compile warnings name these keywords).
+(the service's compile warnings name these keywords). And a part whose
+`additionalProperties` sits beside a `patternProperties` pattern that is not
+a literal (`^x-` is one; `^x-+` is not) leaves the other part's names alone,
+as if the pattern matched them: running a schema's own regexes here could
+stall the service on one hostile pattern.
 
 Merging siblings into branches and inlining `$ref`s copies subschemas, so a
 small schema can normalise to an exponentially large one (sixteen nested
@@ -302,7 +306,7 @@ class _Normaliser:
         for key, bv in b.items():
             if key not in out:
                 out[key] = bv
-            elif out[key] == bv or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
+            elif _same_json(out[key], bv) or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
                 continue
             else:
                 out[key] = self._merge_keyword(key, out[key], bv)
@@ -343,7 +347,7 @@ class _Normaliser:
         if key == "exclusiveMaximum" and _numbers(av, bv):
             return min(av, bv)
         if key == "enum" and isinstance(av, list) and isinstance(bv, list):
-            both = [v for v in av if v in bv]
+            both = [v for v in av if any(_same_json(v, w) for w in bv)]
             if not both:
                 raise _CannotMerge("enums with nothing in common")
             return both
@@ -401,16 +405,59 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         return
     for part in (a, b):
         extra = part.get("additionalProperties", True)
-        if extra is True or "patternProperties" in part:
+        if extra is True:
             continue
         own = part.get("properties") or {}
-        for name in [n for n in props if n not in own]:
+        patterns = part.get("patternProperties", {})
+        for name in [n for n in props if n not in own and not _may_match(patterns, n)]:
             if extra is False:
                 if name in out.get("required", []):
                     raise _CannotMerge(f"property {name!r} is required and forbidden")
                 del props[name]
             else:
                 props[name] = merge(props[name], extra)
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON's equality, where Python's is not it: true is not 1, false is not 0 (1 and 1.0 are one number)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    return a == b
+
+
+_REGEX_SYNTAX = re.compile(r"[\\.^$*+?()\[\]{}|]")
+
+
+def _may_match(patterns: Any, name: str) -> bool:
+    """Whether one of a part's `patternProperties` may govern `name` (then its `additionalProperties` does not).
+
+    Literal patterns ("^x-", "^id$", "tag") are decided exactly; any other pattern is taken to match: running a
+    schema's own regexes here, in the grammar service (llguidance's compiles are in process), would let one
+    hostile pattern stall it. So a part with such a pattern admits the other part's names, as before.
+    """
+    if not isinstance(patterns, dict):
+        return bool(patterns)
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            return True
+        literal = pattern.removeprefix("^").removesuffix("$")
+        if _REGEX_SYNTAX.search(literal):
+            return True
+        if pattern.startswith("^") and pattern.endswith("$"):
+            found = name == literal
+        elif pattern.startswith("^"):
+            found = name.startswith(literal)
+        elif pattern.endswith("$"):
+            found = name.endswith(literal)
+        else:
+            found = literal in name
+        if found:
+            return True
+    return False
 
 
 # A whole pattern that is one atom (a class, an escape like \d, or `.`) repeated.
