@@ -76,6 +76,36 @@ def start_grammar_server(**overrides) -> ServerThread:
     return ServerThread(GrammarServiceConfig(**cfg))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_compile_zygote_per_test_process():
+    """In-process grammar servers fork their compile workers from one zygote per memory cap, started once per
+    test process rather than once per server start (each imports xgrammar and torch: seconds of CPU, and the
+    server's start waits for it). Each server's pool still starts, kills and replaces its own workers, and a
+    zygote that dies is replaced as in a service; only closing a pool leaves the zygote to the session."""
+    from grammar_svc.compile import compile_pool
+
+    real = compile_pool.WorkerFactory
+    made: dict[tuple[bool, int], compile_pool.WorkerFactory] = {}
+    lock = threading.Lock()
+
+    class SessionFactory(real):
+        def close(self) -> None:
+            pass  # the session's: closed once, below
+
+    def factory(use_zygote: bool = True, memory_limit_bytes: int = 0):
+        with lock:
+            key = (use_zygote, memory_limit_bytes)
+            if key not in made:
+                made[key] = SessionFactory(use_zygote=use_zygote, memory_limit_bytes=memory_limit_bytes)
+            return made[key]
+
+    compile_pool.WorkerFactory = factory
+    yield
+    compile_pool.WorkerFactory = real
+    for f in made.values():
+        real.close(f)
+
+
 @pytest.fixture(scope="session")
 def grammar_server():
     # The mask-equality suites compare every mask with xgrammar's, the slow ones of a loaded machine included:
