@@ -1,9 +1,11 @@
 """The device check (scripts/device/): its CPU smoke runs every phase here, so it cannot rot between GPU runs.
 
 `scripts/device/check --cpu-smoke` runs the same steps as on a GPU machine
-(pytest -m cuda, random-model builds, `structd bench e2e` on a built model
-and on the simulated runner, `structd bench grammar`) on tiny shapes; a bench
-flag that is renamed or dropped, or a step that errors, fails here. The rest
+(pytest -m cuda, random-model builds, `structd bench e2e` on a built model,
+`structd bench grammar`) on tiny shapes; a step that errors fails here. Every
+structd step of the GPU plan (the simulated runners' e2e steps, which the
+smoke leaves to tests/test_bench_e2e.py, included) is parsed by structd's own
+parser, so a bench flag that is renamed or dropped fails here too. The rest
 pins the parts a smoke cannot reach: the GPU plan's sizes, the time budget
 rule, the wheel tags prepare accepts.
 """
@@ -95,8 +97,28 @@ def test_cpu_smoke_writes_the_markdown_png_and_results(smoke):
     assert (out / "device-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with tarfile.open(out / "device-check-results.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"e2e-sim-g1/e2e-bench.json", "grammar-fill1/grammar-bench.json", "pytest-cuda/junit.xml",
+    assert {"e2e-tiny-eager-g1/e2e-bench.json", "grammar-fill1/grammar-bench.json", "pytest-cuda/junit.xml",
             "versions/stdout.log"} <= names
+
+
+@pytest.mark.parametrize("cuda", [pytest.param(True, id="gpu"), pytest.param(False, id="cpu-smoke")])
+def test_every_structd_step_parses_with_structd_s_own_flags(cuda):
+    """What a renamed or dropped bench flag breaks: the GPU plan's steps (and the smoke's) as `structd` parses
+    them, the simulated runners' e2e steps the smoke does not run included."""
+    from structd.cli import build_parser
+
+    steps = device_plan.plan(smoke=not cuda, repo=REPO, work=Path("/w"), model_root=Path("/m"), schemas=Path("/s"),
+                             device_memory=80 * 1024**3 if cuda else None, cuda=cuda)
+    structd_steps = [s for s in steps if s.argv[1:3] == ["-m", "structd"]]
+    assert {s.kind for s in structd_steps} == ({"e2e", "grammar", "attention"})
+    assert any(s.name.startswith("e2e-sim") for s in structd_steps) == cuda
+    parser = build_parser({})
+    for step in structd_steps:
+        try:
+            args = parser.parse_args(step.argv[3:])
+        except SystemExit:
+            pytest.fail(f"{step.name}: structd refuses {' '.join(step.argv[3:])}")
+        assert args.command == "bench", step.name
 
 
 def test_gpu_plan_covers_the_issue():

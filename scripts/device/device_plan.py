@@ -116,9 +116,12 @@ GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency=
                      "e2e-0.5b-eager": 25, "peer-0.5b": 12, "build-8b": 35, "e2e-8b-eager-g1": 40,
                      "e2e-8b-eager": 15, "peer-8b": 18, "attention": 15, "e2e-0.5b-compiled": 30, "e2e-8b-compiled": 0,
                      "e2e-sim": 28, "grammar": 16})
+# The smoke runs no simulated-runner e2e step: the tiny model's e2e step runs `structd bench e2e` out of
+# process, tests/test_bench_e2e.py runs the simulated runners, and tests/test_device_check.py parses every
+# structd step's flags of the GPU plan, the sims' included.
 SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas=(1,),
               max_tokens=4, requests=2, waves=1, peer_concurrency="2", compiled={}, sims="sim2", sim_concurrency="2",
-              sim_replicas=(1,), sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2,
+              sim_replicas=(), sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2,
               fill_threads=(1,),
               budgets={"versions": 60, "pytest": 120, "build": 60, "e2e": 120, "peer": 60, "grammar": 120})
 
@@ -205,8 +208,7 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
             structd("bench", "e2e", "--out", str(work / f"e2e-sim-g{replicas}"), "--runners", sizes.sims,
                     "--concurrency", sizes.sim_concurrency, "--grammar-replicas", str(replicas),
                     "--max-tokens", str(sizes.max_tokens), "--requests", str(sizes.sim_requests),
-                    "--waves", str(sizes.sim_waves), "--no-peers",
-                    *(["--no-jump-forward-phase", "--no-mixed"] if smoke else [])),
+                    "--waves", str(sizes.sim_waves), "--no-peers"),
             kind="e2e", label=f"{sizes.sims} at N {sizes.sim_concurrency}, {replicas} grammar replica(s)")
     for threads in sizes.fill_threads:
         add("host", f"grammar-fill{threads}",
