@@ -499,15 +499,22 @@ def test_wide_rows_under_a_cut_draw_the_reference_token(spec):
 OUTSIDE = torch.tensor([math.log(w) for w in (0.1, 0.5, 0.05, 0.02, 1.0, 0.1, 0.3, 0.01, 0.2, 0.1, 0.05, 0.02)])
 
 
-@pytest.mark.parametrize("top_p", [pytest.param(0.6, id="two-kept"), pytest.param(0.05, id="one-kept")])
-def test_a_nucleus_among_the_candidates_weighs_what_lies_beyond_them(top_p, monkeypatch):
+# 2.8 among the 4 likeliest (1, 0.9, 0.8, 0.1), 0.45 beyond them (0.05 each).
+FLATTER = torch.tensor([math.log(w) for w in (0.05, 0.9, 0.05, 0.05, 1.0, 0.05, 0.05, 0.1, 0.05, 0.8, 0.05, 0.05,
+                                              0.05)])
+
+
+@pytest.mark.parametrize("row, top_p, kept", [pytest.param(OUTSIDE, 0.6, {4, 1}, id="two-kept"),
+                                              pytest.param(OUTSIDE, 0.05, {4}, id="one-kept"),
+                                              pytest.param(FLATTER, 0.3, {4}, id="one-of-a-flatter-four")])
+def test_a_nucleus_among_the_candidates_weighs_what_lies_beyond_them(row, top_p, kept, monkeypatch):
     """Drawn among its 4 likeliest tokens, a top_p row's nucleus still counts the mass beyond them: at top_p 0.6
     it keeps 1 and 0.5 (the tokens left out, 0.01 to 0.3, hold 0.95 <= 0.4 * 2.45), where the candidates alone
     would keep 0.3 too."""
     monkeypatch.setattr(sampling, "_NUCLEUS_CANDIDATES", 4)
-    tokens = draw_specs(OUTSIDE, dict(top_p=top_p))[0]
-    assert tokens == [expected(OUTSIDE, s, top_p=top_p) for s in SEEDS]
-    assert set(tokens) == ({4, 1} if top_p == 0.6 else {4})
+    tokens = draw_specs(row, dict(top_p=top_p))[0]
+    assert tokens == [expected(row, s, top_p=top_p) for s in SEEDS]
+    assert set(tokens) == kept
 
 
 @pytest.mark.parametrize("spec", [
