@@ -101,6 +101,24 @@ def test_a_refused_recursive_schema_compiles_and_accepts_what_the_original_accep
         assert takes(compiled, hf_tokenizer, stop, document) is valid, document
 
 
+NAMED = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "integer"},
+         "maxProperties": 2}
+
+
+def test_property_names_pattern_is_enforced(tokenizer, hf_tokenizer):
+    """llguidance ignores propertyNames (xgrammar enforces it): written as patternProperties, it is enforced."""
+    from jsonschema import Draft202012Validator
+
+    compiled = compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(NAMED)))
+    assert not any(w.startswith("propertyNames") for w in compiled.warnings), compiled.warnings
+    stop = min(compiled.stop_token_ids)
+    cases = [({}, True), ({"ab": 1}, True), ({"ab": 1, "c": 2}, True), ({"a b": 1}, False), ({"AB": 1}, False),
+             ({"ab": "x"}, False)]
+    for document, valid in cases:
+        assert Draft202012Validator(NAMED).is_valid(document) is valid, document
+        assert takes(compiled, hf_tokenizer, stop, document) is valid, document
+
+
 def test_where_the_draft_applies_ref_siblings_they_stay_and_llguidance_refuses(tokenizer):
     schema = {**TREE, "$schema": "https://json-schema.org/draft/2020-12/schema"}
     assert llguidance_schema(schema) == schema
@@ -123,6 +141,14 @@ def test_where_the_draft_applies_ref_siblings_they_stay_and_llguidance_refuses(t
     pytest.param({"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
                  {"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
                  id="unreadable-pattern-kept"),
+    pytest.param(NAMED, {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}},
+                         "additionalProperties": False, "maxProperties": 2}, id="property-names-pattern"),
+    pytest.param({"propertyNames": {"pattern": "^a"}, "properties": {"b": {}}},
+                 {"propertyNames": {"pattern": "^a"}, "properties": {"b": {}}}, id="property-names-beside-properties-kept"),
+    pytest.param({"propertyNames": {"pattern": "^(?!a)"}}, {"propertyNames": {"pattern": "^(?!a)"}},
+                 id="property-names-lookaround-kept"),
+    pytest.param({"propertyNames": {"pattern": "^a"}, "additionalProperties": False},
+                 {"additionalProperties": False}, id="property-names-of-no-property-dropped"),
 ])
 def test_rewrites_only_what_keeps_the_meaning(schema, expected):
     assert llguidance_schema(schema) == expected

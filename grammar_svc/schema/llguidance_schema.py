@@ -24,6 +24,13 @@ schema accepts, and are rewritten here:
   (an empty schema to llguidance), and the pattern's S applies to it alone.
   Names are matched as jsonschema matches them (Python's `re.search`); a
   pattern Python cannot read is left alone.
+
+llguidance does not implement `propertyNames` (it warns and ignores it;
+xgrammar enforces it). Its commonest shape, `"propertyNames": {"pattern": P}`
+on an object with no `properties` or `patternProperties`, is written as what
+llguidance does implement, with the same meaning: every name must match P and
+its value satisfy `additionalProperties`, so `"patternProperties": {P:
+<additionalProperties>}, "additionalProperties": false`.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ class _Rewriter:
                for k, v in node.items()}
         if isinstance(out.get("properties"), dict) and isinstance(out.get("patternProperties"), dict):
             out["properties"] = _without_pattern_duplicates(out["properties"], out["patternProperties"])
-        return out
+        return _property_names_as_pattern(out)
 
     def _named(self, value: Any) -> Any:
         if not isinstance(value, dict):
@@ -103,3 +110,22 @@ def _without_pattern_duplicates(properties: dict, patterns: dict) -> dict:
 
 def _constraints(schema: Any) -> Any:
     return {k: v for k, v in schema.items() if k not in _ANNOTATIONS} if isinstance(schema, dict) else schema
+
+
+# Lookarounds, which llguidance refuses: a pattern it would only have ignored under propertyNames stays there.
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def _property_names_as_pattern(node: dict) -> dict:
+    names = node.get("propertyNames")
+    if not isinstance(names, dict) or set(_constraints(names)) != {"pattern"} or any(
+            k in node for k in ("properties", "patternProperties", "unevaluatedProperties")):
+        return node
+    pattern = names["pattern"]
+    if not isinstance(pattern, str) or _LOOKAROUND.search(pattern):
+        return node
+    out = {k: v for k, v in node.items() if k != "propertyNames"}
+    if out.get("additionalProperties") is not False:  # else no name is allowed, matching or not
+        out["patternProperties"] = {pattern: node.get("additionalProperties", True)}
+        out["additionalProperties"] = False
+    return out
