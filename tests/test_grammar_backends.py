@@ -203,10 +203,15 @@ def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer
     pytest.param({"type": "array", "items": {"type": ["number", "null"], "multipleOf": 0.5}}, LLGUIDANCE, "feature",
                  id="multipleOf-number-nested"),
     pytest.param({"type": "integer", "multipleOf": 3}, XGRAMMAR, "default", id="multipleOf-integer"),
-    # llguidance would drop propertyNames: the multipleOf is not worth that.
-    pytest.param({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+    # llguidance would drop propertyNames (beside properties, structd does not write it as patternProperties):
+    # the multipleOf is not worth that.
+    pytest.param({"type": "object", "properties": {"a": {"type": "number"}}, "propertyNames": {"pattern": "^[a-z]+$"},
                   "additionalProperties": {"type": "number", "multipleOf": 0.5}}, XGRAMMAR, "default",
                  id="llguidance-would-ignore-more"),
+    # Alone, propertyNames' pattern is written as patternProperties for llguidance: nothing is dropped.
+    pytest.param({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                  "additionalProperties": {"type": "number", "multipleOf": 0.5}}, LLGUIDANCE, "feature",
+                 id="property-names-kept-by-llguidance"),
 ])
 def test_auto_serves_what_only_llguidance_enforces_from_llguidance(auto_server, tokenizer_desc, schema, backend,
                                                                     reason):

@@ -126,29 +126,28 @@ def test_where_the_draft_applies_ref_siblings_they_stay_and_llguidance_refuses(t
         compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(schema)))
 
 
+UNCHANGED = None
+
+
 @pytest.mark.parametrize("schema, expected", [
     pytest.param({"$schema": DRAFT_04, "properties": {"default": {"$ref": "#/x", "type": "string"}},
                   "enum": [{"$ref": "#/x", "type": "string"}]},
                  {"$schema": DRAFT_04, "properties": {"default": {"$ref": "#/x"}},
                   "enum": [{"$ref": "#/x", "type": "string"}]}, id="data-kept-names-walked"),
-    pytest.param({"$ref": "#/x", "type": "string"}, {"$ref": "#/x", "type": "string"}, id="no-draft-kept"),
-    pytest.param({"properties": {"by": {"type": "string", "title": "t"}}, "patternProperties": {"^c": {"type": "string"}}},
-                 {"properties": {"by": {"type": "string", "title": "t"}}, "patternProperties": {"^c": {"type": "string"}}},
-                 id="name-matching-no-pattern-kept"),
-    pytest.param({"properties": {"by": {"type": "string", "maxLength": 2}}, "patternProperties": {"b": {"type": "string"}}},
-                 {"properties": {"by": {"type": "string", "maxLength": 2}}, "patternProperties": {"b": {"type": "string"}}},
-                 id="narrower-property-kept"),
+    pytest.param({"$ref": "#/x", "type": "string"}, UNCHANGED, id="no-draft-kept"),
+    pytest.param({"properties": {"by": {"type": "string", "title": "t"}},
+                  "patternProperties": {"^c": {"type": "string"}}}, UNCHANGED, id="name-matching-no-pattern-kept"),
+    pytest.param({"properties": {"by": {"type": "string", "maxLength": 2}},
+                  "patternProperties": {"b": {"type": "string"}}}, UNCHANGED, id="narrower-property-kept"),
     pytest.param({"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
-                 {"properties": {"by": {"type": "string"}}, "patternProperties": {"(": {"type": "string"}}},
-                 id="unreadable-pattern-kept"),
+                 UNCHANGED, id="unreadable-pattern-kept"),
     pytest.param(NAMED, {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}},
                          "additionalProperties": False, "maxProperties": 2}, id="property-names-pattern"),
-    pytest.param({"propertyNames": {"pattern": "^a"}, "properties": {"b": {}}},
-                 {"propertyNames": {"pattern": "^a"}, "properties": {"b": {}}}, id="property-names-beside-properties-kept"),
-    pytest.param({"propertyNames": {"pattern": "^(?!a)"}}, {"propertyNames": {"pattern": "^(?!a)"}},
-                 id="property-names-lookaround-kept"),
+    pytest.param({"propertyNames": {"pattern": "^a"}, "properties": {"b": {}}}, UNCHANGED,
+                 id="property-names-beside-properties-kept"),
+    pytest.param({"propertyNames": {"pattern": "^(?!a)"}}, UNCHANGED, id="property-names-lookaround-kept"),
     pytest.param({"propertyNames": {"pattern": "^a"}, "additionalProperties": False},
                  {"additionalProperties": False}, id="property-names-of-no-property-dropped"),
 ])
 def test_rewrites_only_what_keeps_the_meaning(schema, expected):
-    assert llguidance_schema(schema) == expected
+    assert llguidance_schema(schema) == (schema if expected is UNCHANGED else expected)
