@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import re
+import threading
 
 import grpc
 import numpy as np
@@ -335,18 +336,51 @@ def test_a_compile_that_outlived_its_budget_gives_its_worker_up_to_the_next_requ
     assert restarts(auto_server, "abandoned") == abandoned + 1
 
 
+OVERLAPPING_PATTERNS = {".*": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}  # llguidance refuses
+
+
 def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):
-    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: at the
-    fallback budget that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED at the deadline
-    (none of the calls waits for it: a 60 s deadline), and so again when asked again."""
-    schema = {"title": salt(), **TOO_SLOW_SCHEMA,
-              "patternProperties": {".*": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
+    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: at its
+    3 s deadline that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED, and asked again
+    (the timeout remembered) the same refusal comes from the cache, xgrammar not tried again."""
+    schema = {"title": salt(), **TOO_SLOW_SCHEMA, "patternProperties": OVERLAPPING_PATTERNS}
+    timeouts = []
     for _ in range(2):
         with pytest.raises(grpc.RpcError) as info:
             call(auto_server.target, lambda client: client.compile(
-                tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=60.0, rpc_timeout=30))
+                tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=3.0, rpc_timeout=60))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "not disjoint" in info.value.details() and "xgrammar did not compile it" in info.value.details()
+        timeouts.append(auto_server.server.metrics.registry.get_sample_value(
+            "grammar_svc_compile_failures_total", {"kind": "json_schema", "reason": "timeout"}))
+    assert timeouts[1] == timeouts[0]
+
+
+def test_a_schema_llguidance_refuses_is_served_by_xgrammar_past_the_budget(auto_server, tokenizer_desc):
+    """llguidance refuses overlapping patternProperties in a schema xgrammar compiles at once, but the one worker is
+    busy for 3 s with another compile: xgrammar, past the 0.5 s budget only for that, is the only answer left, and
+    is waited for: served, not refused at the budget (a burst did that to such a schema)."""
+    blocked = {"title": salt(), **TOO_SLOW_SCHEMA}
+    errors = []
+
+    def block():
+        try:
+            call(auto_server.target, lambda client: client.compile(
+                tokenizer_desc.fingerprint, json_schema(blocked), timeout_seconds=3.0, rpc_timeout=60,
+                backend=XGRAMMAR))
+        except grpc.RpcError as e:  # expected: the blocker runs out its 3 s
+            errors.append(e.code())
+
+    blocker = threading.Thread(target=block)
+    blocker.start()
+    pool = auto_server.server.backend.pool
+    wait_until(lambda: pool.busy_workers == 1 and not pool.waiting_jobs, "the blocker is on the worker", 120.0)
+    schema = {"title": salt(), "type": "object", "patternProperties": OVERLAPPING_PATTERNS}
+    out = call(auto_server.target, lambda client: client.compile(
+        tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=60.0, rpc_timeout=120))
+    blocker.join()
+    assert errors == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    assert (out.backend, out.backend_reason) == (XGRAMMAR, "default")
 
 
 # ---------------------------------------------------------------- end to end: a replica serving llguidance
