@@ -2,8 +2,11 @@
 
 A deterministic subset of ../shared/data/jsonschemabench-sample.jsonl, four
 schemas from each of the ten datasets, is compiled through the service (with
-a per-schema compile deadline); schemas that outlive the deadline are skipped
-and counted, not waited on. Each is also given to xgrammar's own JSON-Schema
+a per-schema compile deadline). A schema known to outlive that deadline
+(OUTLIVE_THE_DEADLINE) gives its place to the next one of its dataset: it
+would only be skipped after burning its deadline on a compile worker (how
+long such schemas take is `structd bench grammar`'s question). One that
+outlives it anyway, on a loaded machine, is skipped and counted. Each is also given to xgrammar's own JSON-Schema
 converter (xgrammar.Grammar.from_json_schema, the service's options): the
 service must refuse exactly the schemas xgrammar refuses. structd's path is
 xgrammar's converter behind a schema normaliser and grammar rewrites
@@ -51,11 +54,16 @@ COMPILE_TIMEOUT_SECONDS = 3.0
 WALK_TOKENS = 40
 # Schemas the service refuses on purpose where xgrammar's own converter accepts them: {name: why}. None so far.
 STRUCTD_ONLY_REFUSALS: dict[str, str] = {}
-# At least this many schemas must get a real comparison (not a deadline skip).
-# About 29 do on an idle 2-core machine: the deadline covers the compile and
-# shipping the compiled grammar back from the worker (tens of MB of JSON for
-# some schemas), so a loaded machine loses a few more.
-MIN_COMPARED = 20
+# Schemas at those positions (or after one) that outlive the deadline on the 2-core dev box: xgrammar compiles
+# them for seconds to minutes (`structd bench grammar --backend-coverage`: auto sends them all to llguidance as
+# xgrammar_slow, and swagger-2.0 takes most of the 3 s under make test's load).
+OUTLIVE_THE_DEADLINE = frozenset({
+    "o21460.json", "o60871.json", "o82339.json", "o82821.json", "strmprivacy.api.entities.v1.BatchJob.json",
+    "swagger-2.0.json", "sp_138_Normalized.json", "sp_226_Normalized.json", "sp_235_Normalized.json",
+    "sp_397_Normalized.json", "wp_27_Normalized.json"})
+# At least this many of the 40 must get a real comparison (not a deadline skip): the deadline covers the compile
+# and shipping the compiled grammar back from the worker, so a loaded machine may lose a few.
+MIN_COMPARED = 34
 SEED = 2024
 
 
@@ -82,7 +90,13 @@ def pick(rows: list[dict]) -> list[dict]:
     for r in rows:
         by_ds[r["dataset"]].append(r)
     assert set(by_ds) == set(DATASETS)
-    return [by_ds[ds][p] for p in POSITIONS for ds in DATASETS]
+    return [_first_in_time(by_ds[ds], p) for p in POSITIONS for ds in DATASETS]
+
+
+def _first_in_time(rows: list[dict], position: int) -> dict:
+    while rows[position]["name"] in OUTLIVE_THE_DEADLINE:
+        position += 1
+    return rows[position]
 
 
 @pytest.fixture(scope="module")
