@@ -23,6 +23,7 @@ import json
 import random
 import re
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -177,6 +178,15 @@ def auto_server(tokenizer_desc):
     srv.stop()
 
 
+async def worker_held(pool, holder: asyncio.Future, timeout: float = 120.0) -> None:
+    """Until the holder's compile has the pool's one worker (a holder that ends first, or never gets it, fails)."""
+    deadline = time.monotonic() + timeout
+    while pool.idle_workers or not pool.busy_workers:
+        if holder.done() or time.monotonic() > deadline:
+            raise AssertionError(f"the holder compile never held the worker ({holder})")
+        await asyncio.sleep(0.02)
+
+
 def choices(srv, backend: str, reason: str) -> float:
     return srv.server.metrics.registry.get_sample_value(
         "grammar_svc_backend_choices_total", {"backend": backend, "reason": reason}) or 0.0
@@ -267,8 +277,7 @@ def test_a_schema_asked_for_while_every_worker_is_busy_goes_to_llguidance_at_onc
         holder = asyncio.ensure_future(compile_on(client, tokenizer_desc.fingerprint,
                                                   json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 60.0))
         try:
-            while pool.idle_workers or not pool.busy_workers:
-                await asyncio.sleep(0.02)
+            await worker_held(pool, holder)
             return await client.compile(tokenizer_desc.fingerprint, spec, timeout_seconds=20.0, rpc_timeout=120)
         finally:
             holder.cancel()  # its worker is killed and replaced
@@ -474,8 +483,7 @@ def test_the_memo_does_not_keep_a_fallback_chosen_while_every_worker_was_busy(ll
         holder = asyncio.ensure_future(compile_on(client, tokenizer_desc.fingerprint,
                                                   json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 60.0))
         try:
-            while pool.idle_workers or not pool.busy_workers:
-                await asyncio.sleep(0.02)
+            await worker_held(pool, holder)
             await asyncio.to_thread(complete)
         finally:
             holder.cancel()  # its worker is killed and replaced

@@ -212,9 +212,18 @@ class GrammarBackend:
             # Also where a fallback answered before and xgrammar's compile finished into the cache since: new
             # sessions get xgrammar's cheaper masks (open ones stay on the backend they opened with).
             return replace(await self._compile(fingerprint, spec, timeout, caller), reason=DEFAULT)
+        # Asked once per request: the answer may stop an outlived compile to free its worker, and asking again
+        # before that worker is free would stop another, or see none free and fall back after all.
+        queues: list[bool] = []
+
+        def would_queue() -> bool:
+            if not queues:
+                queues.append(self._xgrammar_would_queue(xgrammar_id))
+            return queues[0]
+
         if isinstance(fallback, CompiledEntry) and fallback.backend_reason in FALLBACK_REASONS and not (
                 fallback.backend_reason == XGRAMMAR_BUSY and xgrammar_id not in self._inflight
-                and not self._xgrammar_would_queue(xgrammar_id)):
+                and not would_queue()):
             # Decided before: xgrammar is not tried again while llguidance's grammar is cached, except after a
             # busy moment (xgrammar never tried it) when a worker is free now.
             self.metrics.cache_hits.labels(spec.kind.value).inc()
@@ -227,7 +236,7 @@ class GrammarBackend:
             # Not where llguidance would drop a keyword xgrammar enforces: that trade is not made for the client.
             if chosen is not None and ignores_only_what_xgrammar_ignores(chosen.entry.warnings):
                 return chosen
-        if self._xgrammar_would_queue(xgrammar_id):
+        if would_queue():
             # Queued behind other compiles, xgrammar would spend the budget waiting (most of a burst did, then
             # fell back anyway: docs/benchmarks.md, "Backend coverage").
             try:

@@ -42,7 +42,7 @@ LLGUIDANCE = "llguidance"
 # Also the service's default: xgrammar unless it refuses a grammar or compiles it too slowly.
 AUTO = "auto"
 # Bump whenever grammar_text can give a spec a different llguidance grammar (part of its grammar id).
-GRAMMAR_REVISION = "llguidance-3"
+GRAMMAR_REVISION = "llguidance-4"
 
 _TOKENIZER_LOCK = threading.Lock()
 
@@ -84,8 +84,8 @@ class _Encoder:
 
 
 def llguidance_tokenizer(tok):
-    """The registered tokenizer's llguidance LLTokenizer, built once per tokenizer (it costs a fraction of a
-    second at 129k tokens) and kept beside it."""
+    """The registered tokenizer's llguidance LLTokenizer, built once per tokenizer and kept beside it (the build
+    holds the GIL for seconds at 129k tokens: backend.py builds it at registration)."""
     holder = tok.llguidance
     built = holder.get("tokenizer")
     if built is not None:

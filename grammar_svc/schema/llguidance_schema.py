@@ -22,8 +22,10 @@ schema accepts, and are rewritten here:
   refuses the schema where S refers to a definition being built. Both being
   S, the property's own schema adds nothing: it keeps only its annotations
   (an empty schema to llguidance), and the pattern's S applies to it alone.
-  Names are matched as jsonschema matches them (Python's `re.search`); a
-  pattern Python cannot read is left alone.
+  Names are matched as jsonschema matches them (`re.search`), where every
+  pattern is a literal or one atom repeated (`^[a-zA-Z0-9_]*`): no name can
+  make those slow. Any other pattern leaves the properties alone: the
+  schema's own regexes do not run in the service.
 
 llguidance does not implement `propertyNames` (it warns and ignores it;
 xgrammar enforces it). Its commonest shape, `"propertyNames": {"pattern": P}`
@@ -37,6 +39,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+from grammar_svc.schema.schema_normalise import REGEX_SYNTAX, REPEATED_ATOM, json_key
 
 # The `$schema` of the drafts where a `$ref` replaces its node.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -95,14 +99,20 @@ class _Rewriter:
 def _without_pattern_duplicates(properties: dict, patterns: dict) -> dict:
     compiled = []
     for pattern, schema in patterns.items():
+        # Only patterns no input can make slow (a literal, one atom repeated): this runs in the grammar service,
+        # where one hostile pattern would burn its threads. Any other pattern decides no name here.
+        if not isinstance(pattern, str) or not (
+                REPEATED_ATOM.match(pattern) or not REGEX_SYNTAX.search(pattern.removeprefix("^").removesuffix("$"))):
+            return properties
         try:
-            compiled.append((re.compile(pattern), schema))
-        except (re.error, TypeError):  # the schema's: a pattern Python does not read; no name is matched to it
+            compiled.append((re.compile(pattern, re.ASCII), schema))  # ECMA's \d and \w are ASCII
+        except (re.error, RecursionError, OverflowError):  # the schema's: a pattern Python does not read
             return properties
     out = {}
     for name, schema in properties.items():
         matched = [s for r, s in compiled if r.search(name)]
-        if len(matched) == 1 and isinstance(schema, dict) and _constraints(schema) == _constraints(matched[0]):
+        if len(matched) == 1 and isinstance(schema, dict) and \
+                json_key(_constraints(schema)) == json_key(_constraints(matched[0])):
             schema = {k: v for k, v in schema.items() if k in _ANNOTATIONS}
         out[name] = schema
     return out

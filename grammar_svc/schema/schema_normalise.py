@@ -306,7 +306,7 @@ class _Normaliser:
         for key, bv in b.items():
             if key not in out:
                 out[key] = bv
-            elif _same_json(out[key], bv) or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
+            elif json_key(out[key]) == json_key(bv) or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
                 continue
             else:
                 out[key] = self._merge_keyword(key, out[key], bv)
@@ -347,7 +347,8 @@ class _Normaliser:
         if key == "exclusiveMaximum" and _numbers(av, bv):
             return min(av, bv)
         if key == "enum" and isinstance(av, list) and isinstance(bv, list):
-            both = [v for v in av if any(_same_json(v, w) for w in bv)]
+            in_b = {json_key(w) for w in bv}
+            both = [v for v in av if json_key(v) in in_b]
             if not both:
                 raise _CannotMerge("enums with nothing in common")
             return both
@@ -418,18 +419,21 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
                 props[name] = merge(props[name], extra)
 
 
-def _same_json(a: Any, b: Any) -> bool:
-    """JSON's equality, where Python's is not it: true is not 1, false is not 0 (1 and 1.0 are one number)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
-    return a == b
+def json_key(value: Any) -> Any:
+    """A hashable key equal for values JSON calls equal: true is not 1, false is not 0 (where Python's equality
+    says they are), 1 and 1.0 are one number. Keys, not pairwise comparisons, so an enum intersection is linear."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return type(value).__name__, value
+    if isinstance(value, (int, float)):
+        return "number", value  # 1 == 1.0, with one hash
+    if isinstance(value, list):
+        return "array", tuple(json_key(v) for v in value)
+    if isinstance(value, dict):
+        return "object", frozenset((k, json_key(v)) for k, v in value.items())
+    return "other", repr(value)
 
 
-_REGEX_SYNTAX = re.compile(r"[\\.^$*+?()\[\]{}|]")
+REGEX_SYNTAX = re.compile(r"[\\.^$*+?()\[\]{}|]")
 
 
 def _may_match(patterns: Any, name: str) -> bool:
@@ -445,7 +449,7 @@ def _may_match(patterns: Any, name: str) -> bool:
         if not isinstance(pattern, str):
             return True
         literal = pattern.removeprefix("^").removesuffix("$")
-        if _REGEX_SYNTAX.search(literal):
+        if REGEX_SYNTAX.search(literal):
             return True
         if pattern.startswith("^") and pattern.endswith("$"):
             found = name == literal
@@ -461,13 +465,13 @@ def _may_match(patterns: Any, name: str) -> bool:
 
 
 # A whole pattern that is one atom (a class, an escape like \d, or `.`) repeated.
-_REPEATED_ATOM = re.compile(r"^\^?(?P<atom>\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.)"
+REPEATED_ATOM = re.compile(r"^\^?(?P<atom>\[(?:\\.|[^\]\\])+\]|\\[dDwWsS]|\.)"
                             r"(?P<q>[+*]|\{(?P<lo>\d+)(?P<comma>,(?P<hi>\d*))?\})\$?$")
 
 
 def _lengths_into_pattern(node: dict) -> dict:
     """`^A+$` with minLength m and maxLength n becomes `^A{m,n}$`: one character per atom, so exact."""
-    m = _REPEATED_ATOM.match(node["pattern"])
+    m = REPEATED_ATOM.match(node["pattern"])
     lo, hi = node.get("minLength", 0), node.get("maxLength")
     if m is None or not _numbers(lo) or (hi is not None and not _numbers(hi)):
         return node
