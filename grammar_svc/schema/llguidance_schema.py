@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grammar_svc.schema.schema_normalise import REGEX_SYNTAX, REPEATED_ATOM, json_key
+from grammar_svc.schema.schema_normalise import REPEATED_ATOM, json_key, literal_of
 
 # The `$schema` of the drafts where a `$ref` replaces its node.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -101,8 +101,7 @@ def _without_pattern_duplicates(properties: dict, patterns: dict) -> dict:
     for pattern, schema in patterns.items():
         # Only patterns no input can make slow (a literal, one atom repeated): this runs in the grammar service,
         # where one hostile pattern would burn its threads. Any other pattern decides no name here.
-        if not isinstance(pattern, str) or not (
-                REPEATED_ATOM.match(pattern) or not REGEX_SYNTAX.search(pattern.removeprefix("^").removesuffix("$"))):
+        if not isinstance(pattern, str) or not (REPEATED_ATOM.match(pattern) or literal_of(pattern) is not None):
             return properties
         try:
             compiled.append((re.compile(pattern, re.ASCII), schema))  # ECMA's \d and \w are ASCII

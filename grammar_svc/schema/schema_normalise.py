@@ -433,7 +433,13 @@ def json_key(value: Any) -> Any:
     return "other", repr(value)
 
 
-REGEX_SYNTAX = re.compile(r"[\\.^$*+?()\[\]{}|]")
+_REGEX_SYNTAX = re.compile(r"[\\.^$*+?()\[\]{}|]")
+
+
+def literal_of(pattern: str) -> str | None:
+    """The text a pattern without regex syntax stands for, its anchors aside (None for any other pattern)."""
+    literal = pattern.removeprefix("^").removesuffix("$")
+    return None if _REGEX_SYNTAX.search(literal) else literal
 
 
 def _may_match(patterns: Any, name: str) -> bool:
@@ -448,8 +454,8 @@ def _may_match(patterns: Any, name: str) -> bool:
     for pattern in patterns:
         if not isinstance(pattern, str):
             return True
-        literal = pattern.removeprefix("^").removesuffix("$")
-        if REGEX_SYNTAX.search(literal):
+        literal = literal_of(pattern)
+        if literal is None:
             return True
         if pattern.startswith("^") and pattern.endswith("$"):
             found = name == literal
