@@ -285,3 +285,48 @@ def test_greedy_logprobs_of_many_rows_at_once_are_the_row_by_rows():
         assert logprobs[i].logprob == pytest.approx(want.logprob, abs=1e-12)
         assert [t for t, _ in logprobs[i].top] == [t for t, _ in want.top]
         assert [v for _, v in logprobs[i].top] == pytest.approx([v for _, v in want.top], abs=1e-12)
+
+
+BROKEN = [
+    pytest.param("nan", id="one-nan"),
+    pytest.param("all-nan", id="all-nan"),
+    pytest.param("all-neg-inf", id="all-neg-inf"),
+]
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+@pytest.mark.parametrize("listed", [pytest.param(False, id="whole-row"), pytest.param(True, id="allowed-list")])
+@pytest.mark.parametrize("spec", SPECS[:5])
+def test_a_row_with_nothing_drawable_gives_a_token_the_step_refuses(spec, listed, broken):
+    """A row whose drawable logits are NaN or all -inf (a broken model, every allowed id at -inf): its token
+    is one whose logit is not finite (the step's check then reports NoAllowedTokenError for that row alone),
+    and one of its allowed ids where it has a list (never a token the constraint forbids, however finite the
+    rest of the row); the batch raises nothing, and the seeded neighbours draw what they draw alone."""
+    x = model_like(3, VOCAB, seed=11)
+    ids = np.array([3, 400, 5000, 31_000], dtype=np.int64)
+    target = ids if listed else slice(None)
+    if broken == "nan":
+        x[1, ids[1] if listed else 123] = float("nan")
+    else:
+        x[1, target] = float("nan") if broken == "all-nan" else NEG_INF
+    cands = [None, ids if listed else None, None]
+    samplers = [RowSampler(options(seed=40 + k, logprobs=True, top_logprobs=2, **spec)) for k in range(3)]
+    tokens, _ = sample_with_logprobs(x, samplers, candidates=cands)
+    assert not math.isfinite(float(x[1, tokens[1]]))
+    if listed:
+        assert tokens[1] in ids.tolist()
+    for k in (0, 2):
+        alone = RowSampler(options(seed=40 + k, logprobs=True, top_logprobs=2, **spec))
+        assert tokens[k] == sample(x[k:k + 1].clone(), [alone])[0]
+
+
+@pytest.mark.parametrize("spec", SPECS[:5])
+def test_allowed_ids_at_minus_infinity_never_yield_another_token(spec):
+    """An allowed-id list whose logits are all -inf while the rest of the row is finite (a model that bans
+    those tokens): the row path it falls back to draws among the list, not the whole row."""
+    x = model_like(1, VOCAB, seed=12)
+    ids = np.array([7, 70, 700], dtype=np.int64)
+    x[0, ids] = NEG_INF
+    for seed in range(5):
+        (token,) = sample(x, [RowSampler(options(seed=seed, **spec))], candidates=[ids])
+        assert token in ids.tolist()

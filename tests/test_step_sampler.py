@@ -116,3 +116,23 @@ def test_a_row_before_min_tokens_keeps_the_written_mask():
     plan = RowPlan(sample=[0], masked=[(0, SparseMask(False, everything_but_eos))], before_min_tokens=[0])
     (drawn,) = sampler().sample(logits, plan, [RowSampler(options(min_tokens=4))])
     assert drawn[0] == EOS
+
+
+@pytest.mark.parametrize("opts", [
+    pytest.param(dict(temperature=1.0), id="temperature"),
+    pytest.param(dict(temperature=1.0, top_k=50), id="top-k"),
+    pytest.param(dict(temperature=1.0, top_p=0.9), id="top-p"),
+])
+@pytest.mark.parametrize("value", [pytest.param(NEG_INF, id="minus-inf"), pytest.param(NAN, id="nan")])
+def test_an_allowed_list_with_nothing_drawable_fails_that_row_alone(opts, value):
+    """Every id of a sampled row's allowed list at -inf or NaN while the rest of its row is finite: that row
+    gets NoAllowedTokenError (never a token outside its list), and its neighbours draw as without it."""
+    allowed = np.array([5, 42, 700], dtype=np.int64)
+    logits = torch.stack([setting(t1=20.0), setting(), setting(t7=20.0)])
+    logits[1, torch.from_numpy(allowed)] = value
+    plan = RowPlan(sample=[0, 1, 2], masked=[(1, SparseMask(True, allowed))])
+    got = sampler().sample(logits.clone(), plan, [RowSampler(options(**opts)) for _ in range(3)])
+    assert isinstance(got[1], NoAllowedTokenError), got[1]
+    alone = sampler().sample(logits[[0, 2]].clone(), RowPlan(sample=[0, 1]),
+                             [RowSampler(options(**opts)) for _ in range(2)])
+    assert [got[0][0], got[2][0]] == [alone[0][0], alone[1][0]]

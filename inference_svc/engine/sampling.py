@@ -480,8 +480,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampler], row_index: Sequence
            candidates: Sequence[np.ndarray | None] | None = None) -> list[int]:
     """One token id per sampler; rows[i] draws from logits[row_index[i]] (default: row i).
 
-    float32 `logits` [n, V]; -inf entries are never drawn; every row drawn from
-    needs at least one finite entry. `logits` is only read, never written, and
+    float32 `logits` [n, V]; -inf entries are never drawn; a row with nothing
+    drawable (a NaN logit, or all -inf) gives the id of a logit that is not
+    finite, for the caller to refuse. `logits` is only read, never written, and
     rows nobody draws from are never copied. candidates[i], when given, is the
     sorted int64 array of the only token ids rows[i] may draw (a grammar mask
     that came as an allowed-id list): the draw reads just those logits, which is
@@ -612,7 +613,18 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[RowSampler], index: list[
             j, total = _draw_dense(w, u)
             _emit(group, keep, rows, j, ix, w, total, out, logprobs)
     for i in fallback:
-        out[i], logprobs[i] = _sample_row(logits[index[i]], rows[i])
+        ids = candidates[i] if candidates is not None else None
+        if ids is None:
+            out[i], logprobs[i] = _sample_row(logits[index[i]], rows[i])
+            continue
+        # Only the allowed ids: the whole row would let a token the constraint forbids be drawn wherever the
+        # allowed ones are not finite, and the step's finiteness check would not see it.
+        at = torch.from_numpy(ids).to(logits.device)
+        j, lp = _sample_row(logits[index[i]].index_select(0, at), rows[i])
+        out[i] = int(ids[j])
+        if lp is not None:
+            lp = RowLogprobs(lp.logprob, tuple((int(ids[p]), v) for p, v in lp.top))
+        logprobs[i] = lp
 
 
 def _rows(logits: torch.Tensor, at: list[int]) -> torch.Tensor:
@@ -892,6 +904,12 @@ def _sample_row(row: torch.Tensor, r: RowSampler) -> tuple[int, RowLogprobs | No
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
     total = cdf[-1]
     u = torch.rand((), generator=r.generator, dtype=torch.float64, device=cdf.device)
+    if not bool(torch.isfinite(total)):
+        # Nothing drawable (a NaN logit, or every entry -inf): the position of a logit that is not finite, which
+        # the step reports as no token (rather than whatever searchsorted makes of a NaN cdf: past the end, an
+        # IndexError under top_k that would send the step's other rows to be drawn again).
+        j = int((~torch.isfinite(row)).nonzero()[0, 0])
+        return (int(index[j]) if index is not None else j), None
     # The first position whose cdf exceeds u * total has probability > 0, so a masked
     # token is never picked; the clamp (first position reaching total, also > 0) only
     # matters when rounding makes u * total equal total.
@@ -933,7 +951,8 @@ def _nucleus(probs: torch.Tensor, top_p: float, *, is_sorted: bool) -> torch.Ten
     cdf = torch.cumsum(asc, 0, dtype=torch.float64)
     # Ascending, the tokens left out are the longest prefix holding at most 1 - top_p of the
     # mass; the top token stays because the whole mass exceeds that for any top_p > 0.
-    first_kept = torch.searchsorted(cdf, (1.0 - top_p) * cdf[-1], right=True)
+    # (clamped: a NaN cdf, a row with nothing drawable, answers one past the end)
+    first_kept = torch.searchsorted(cdf, (1.0 - top_p) * cdf[-1], right=True).clamp_(max=asc.shape[0] - 1)
     # Thresholding by value (not by rank) keeps every token tied with the smallest one kept.
     return probs.masked_fill(probs < asc[first_kept], 0.0)
 

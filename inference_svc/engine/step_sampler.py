@@ -192,6 +192,9 @@ class StepSampler:
         try:
             return sample_with_logprobs(logits, samplers, rows, cands)
         except Exception:  # noqa: BLE001 - some row's; find it by sampling each row alone, so only it fails
+            # No input known raises here (rows with nothing drawable give a token the check below refuses); if
+            # one does, rows the batch drew already draw again from generators that have moved on, so their
+            # seeds no longer reproduce this step.
             log.exception("batched sampling failed; sampling row by row")
         out: list[int | Exception] = []
         logprobs: list[RowLogprobs | None] = []
