@@ -170,6 +170,21 @@ ALL_OF_NUMBER_BOUNDS = {"allOf": [{"type": "integer", "minimum": 2, "maximum": 7
                                   {"minimum": 4, "maximum": 9, "exclusiveMaximum": 6}]}
 ALL_OF_LENGTH_BOUNDS = {"allOf": [{"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
                                   {"minItems": 2, "maxItems": 5}]}
+# xgrammar writes a known format and drops the pattern beside it: the pattern is what structd keeps.
+URI_AND_PATTERN = {"type": "string", "format": "uri", "pattern": "^https?://[a-z.]+$"}
+DATE_AND_PATTERN = {"type": "string", "format": "date", "pattern": "^20[0-9]{2}-[0-9]{2}-[0-9]{2}$"}
+# MaskBench's Github_easy/o13129: oneOf branches told apart by `t`, which neither requires.
+ONE_OF_TAGGED = {"type": "object", "oneOf": [
+    {"properties": {"t": {"enum": ["a"]}, "v": {"type": "string"}}},
+    {"properties": {"t": {"enum": ["b"]}, "v": {"type": ["string", "null"]}}}]}
+# JsonSchemaStore's gradle-enterprise-config-schema-7: a union written as if/then on a required `k`.
+IF_THEN_TAGGED = {"type": "object", "properties": {"k": {"enum": ["daily", "weekly"]}}, "required": ["k"], "allOf": [
+    {"if": {"properties": {"k": {"const": "daily"}}},
+     "then": {"required": ["t"], "properties": {"k": {"const": "daily"}, "t": {"type": "integer"}},
+              "additionalProperties": False}},
+    {"if": {"properties": {"k": {"const": "weekly"}}},
+     "then": {"required": ["d"], "properties": {"k": {"const": "weekly"}, "d": {"type": "string"}},
+              "additionalProperties": False}}]}
 
 DOCUMENT_CASES = [
     pytest.param(OBJECT_WITH_ANY_OF, "5", False, id="any-of-root-bare-number"),
@@ -208,6 +223,18 @@ DOCUMENT_CASES = [
     pytest.param(ALL_OF_LENGTH_BOUNDS, "[1]", False, id="all-of-under-the-larger-min-items"),
     pytest.param(ALL_OF_LENGTH_BOUNDS, "[1,2]", True, id="all-of-within-both-item-counts"),
     pytest.param(ALL_OF_LENGTH_BOUNDS, "[1,2,3,4]", False, id="all-of-over-the-smaller-max-items"),
+    pytest.param(URI_AND_PATTERN, '"https://x.org"', True, id="format-and-pattern-matching"),
+    pytest.param(URI_AND_PATTERN, '"ftp://x.org"', False, id="format-and-pattern-a-uri-not-matching"),
+    pytest.param(DATE_AND_PATTERN, '"2024-01-01"', True, id="date-and-pattern-matching"),
+    pytest.param(DATE_AND_PATTERN, '"1999-01-01"', False, id="date-and-pattern-a-date-not-matching"),
+    pytest.param(ONE_OF_TAGGED, '{"t":"a","v":"x"}', True, id="one-of-first-tag"),
+    pytest.param(ONE_OF_TAGGED, '{"t":"b","v":null}', True, id="one-of-second-tag"),
+    pytest.param(ONE_OF_TAGGED, "{}", False, id="one-of-both-branches-match-empty"),
+    pytest.param(ONE_OF_TAGGED, '{"v":"x"}', False, id="one-of-both-branches-match-untagged"),
+    pytest.param(IF_THEN_TAGGED, '{"k":"daily","t":1}', True, id="if-then-daily"),
+    pytest.param(IF_THEN_TAGGED, '{"k":"weekly","d":"x"}', True, id="if-then-weekly"),
+    pytest.param(IF_THEN_TAGGED, '{"k":"daily"}', False, id="if-then-required-by-then"),
+    pytest.param(IF_THEN_TAGGED, '{"k":"weekly","t":1}', False, id="if-then-closed-by-then"),
 ]
 
 

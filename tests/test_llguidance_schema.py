@@ -159,3 +159,33 @@ UNCHANGED = None
 ])
 def test_rewrites_only_what_keeps_the_meaning(schema, expected):
     assert llguidance_schema(schema) == (schema if expected is UNCHANGED else expected)
+
+
+# Shapes schema_normalise.py rewrites for both backends (llguidance applies oneOf as anyOf and ignores if/then):
+# oneOf branches told apart by `t` (MaskBench's Github_easy/o13129), a union written as if/then on a required
+# `k` (JsonSchemaStore's gradle-enterprise-config-schema-7); and a pattern beside a format, which llguidance
+# enforces both of (xgrammar's schema loses the format: json_grammar.py).
+TAGGED = {"type": "object", "oneOf": [{"properties": {"t": {"const": 1}, "v": {"type": "string"}}},
+                                      {"properties": {"t": {"const": 2}, "v": {"type": ["string", "integer"]}}}]}
+CASES_BY_IF = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
+               "if": {"properties": {"k": {"const": "a"}}}, "then": {"required": ["n"]},
+               "else": {"properties": {"n": False}}}
+DATE_20 = {"type": "string", "format": "date", "pattern": "^20"}
+
+
+@pytest.mark.parametrize("schema, cases", [
+    pytest.param(TAGGED, [({"t": 1, "v": "x"}, True), ({"t": 2, "v": 3}, True), ({}, False), ({"v": "x"}, False),
+                          ({"t": 3}, False)], id="one-of-told-apart"),
+    pytest.param(CASES_BY_IF, [({"k": "a", "n": 1}, True), ({"k": "b"}, True), ({"k": "a"}, False),
+                               ({"k": "b", "n": 1}, False)], id="if-then-cases"),
+    pytest.param(DATE_20, [("2024-01-01", True), ("1999-01-01", False), ("20240101", False)],
+                 id="format-and-pattern"),
+])
+def test_normalised_shapes_are_enforced(tokenizer, hf_tokenizer, schema, cases):
+    from jsonschema import Draft202012Validator, FormatChecker
+
+    compiled = compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(schema)))
+    stop = min(compiled.stop_token_ids)
+    for document, valid in cases:
+        assert Draft202012Validator(schema, format_checker=FormatChecker()).is_valid(document) is valid, document
+        assert takes(compiled, hf_tokenizer, stop, document) is valid, document

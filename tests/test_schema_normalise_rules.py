@@ -343,6 +343,89 @@ DISTRIBUTE = [
          "unmerged-all-of-branch-left"),
 ]
 
+# A discriminated union written as `if`/`then` on one required property with an enum: one anyOf branch per set
+# of its values that the same `then`/`else` schemas apply to (xgrammar and llguidance ignore `if`).
+K_ABC = {"type": "object", "properties": {"k": {"enum": ["a", "b", "c"]}}, "required": ["k"]}
+IF_K = {"if": {"properties": {"k": {"const": "a"}}}, "then": {"required": ["x"]}}
+
+IF_THEN_CASES = [
+    case({**K_ABC, "allOf": [IF_K, {"if": {"properties": {"k": {"const": "b"}}, "required": ["k"]},
+                                    "then": {"required": ["y"]}, "else": {"maxProperties": 2}}]},
+         {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "required": ["k", "x"],
+                     "maxProperties": 2},
+                    {"type": "object", "properties": {"k": {"enum": ["b"]}, "y": {}}, "required": ["k", "y"]},
+                    {"type": "object", "properties": {"k": {"enum": ["c"]}}, "required": ["k"], "maxProperties": 2}]},
+         "one-branch-per-value"),
+    case({**K_ABC, "allOf": [{"if": {"properties": {"k": {"enum": ["a", "b"]}}}, "then": {"minProperties": 2}}]},
+         {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
+                     "minProperties": 2},
+                    {"type": "object", "properties": {"k": {"enum": ["c"]}}, "required": ["k"]}]},
+         "values-with-the-same-schemas-share-a-branch"),
+    case({**K_ABC, **IF_K}, {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}},
+                                        "required": ["k", "x"]},
+                                       {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}]},
+         "the-node's-own-if"),
+    case({"type": "object", "properties": {"k": {"const": "s3"}}, "required": ["k"], "title": "T",
+          "allOf": [{"$ref": "#/definitions/min"}, IF_K | {"if": {"properties": {"k": {"const": "s3"}}}}],
+          "definitions": {"min": {"minProperties": 1}}},
+         {"type": "object", "properties": {"k": {"const": "s3", "enum": ["s3"]}, "x": {}}, "required": ["k", "x"],
+          "title": "T", "minProperties": 1, "definitions": {"min": {"minProperties": 1}}},
+         "one-case-merged-with-the-other-parts"),
+    case({"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "allOf": [IF_K]},
+         {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "if": IF_K["if"],
+          "then": {"required": ["x"], "properties": {"x": {}}}}, "discriminator-not-required-left"),
+    case({**K_ABC, "type": ["object", "null"], "allOf": [IF_K]},
+         {**K_ABC, "type": ["object", "null"], "if": IF_K["if"], "then": {"required": ["x"], "properties": {"x": {}}}},
+         "not-only-objects-left"),
+    case({**K_ABC, "allOf": [{"if": {"properties": {"k": {"const": "a", "type": "string"}}}, "then": {"maxProperties": 1}}]},
+         {**K_ABC, "if": {"properties": {"k": {"const": "a", "type": "string"}}}, "then": {"maxProperties": 1}},
+         "if-more-than-the-values-left"),
+    case({**K_ABC, "properties": {"k": {"enum": ["a"]}, "j": {"enum": [1]}}, "required": ["k", "j"],
+          "allOf": [IF_K, {"if": {"properties": {"j": {"const": 1}}}, "then": {"maxProperties": 3}}]},
+         {**K_ABC, "properties": {"k": {"enum": ["a"]}, "j": {"enum": [1]}}, "required": ["k", "j"], "if": IF_K["if"],
+          "then": {"required": ["x"], "properties": {"x": {}}}}, "two-discriminators-left"),
+    case({**K_ABC, "anyOf": [{"minProperties": 1}], "allOf": [IF_K]},
+         {"anyOf": [{"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "required": ["k", "x"],
+                                "minProperties": 1},
+                               {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"],
+                                "minProperties": 1}]}]},
+         "beside-an-any-of-in-its-branch"),
+]
+
+# oneOf branches, objects told apart by one property's values, which some branch does not require: required in
+# each, so no document matches two (one without it is no longer written: narrower, never looser).
+ONE_OF_TOLD_APART = [
+    case({"type": "object", "oneOf": [{"properties": {"t": {"type": "string", "enum": ["a"]}, "v": {"type": "string"}}},
+                                      {"properties": {"t": {"enum": ["b", "c"]}}, "required": ["v"]}]},
+         {"oneOf": [{"type": "object", "properties": {"t": {"type": "string", "enum": ["a"]}, "v": {"type": "string"}},
+                     "required": ["t"]},
+                    {"type": "object", "properties": {"t": {"enum": ["b", "c"]}, "v": {}}, "required": ["v", "t"]}]},
+         "discriminator-required-in-each"),
+    case({"oneOf": [{"type": "object", "properties": {"u": {}, "t": {"const": 1}}, "required": ["t"]},
+                    {"type": "object", "properties": {"t": {"const": 2}}}]},
+         {"oneOf": [{"type": "object", "properties": {"u": {}, "t": {"const": 1}}, "required": ["t"]},
+                    {"type": "object", "properties": {"t": {"const": 2}}, "required": ["t"]}]}, "const-values"),
+    case({"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}, "required": ["t"]},
+                    {"type": "object", "properties": {"t": {"const": 2}}, "required": ["t"]}]},
+         {"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}, "required": ["t"]},
+                    {"type": "object", "properties": {"t": {"const": 2}}, "required": ["t"]}]}, "already-required"),
+    case({"oneOf": [{"type": "object", "properties": {"t": {"enum": [1, 2]}}},
+                    {"type": "object", "properties": {"t": {"enum": [2.0]}}}]},
+         {"oneOf": [{"type": "object", "properties": {"t": {"enum": [1, 2]}}},
+                    {"type": "object", "properties": {"t": {"enum": [2.0]}}}]}, "a-value-in-two-branches-left"),
+    case({"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}}, {"properties": {"t": {"const": 2}}}]},
+         {"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}}, {"properties": {"t": {"const": 2}}}]},
+         "a-branch-not-only-objects-left"),
+    case({"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}},
+                    {"type": "object", "properties": {"t": {"type": "integer"}}}]},
+         {"oneOf": [{"type": "object", "properties": {"t": {"const": 1}}},
+                    {"type": "object", "properties": {"t": {"type": "integer"}}}]}, "no-values-in-a-branch-left"),
+    case({"anyOf": [{"type": "object", "properties": {"t": {"const": 1}}},
+                    {"type": "object", "properties": {"t": {"const": 2}}}]},
+         {"anyOf": [{"type": "object", "properties": {"t": {"const": 1}}},
+                    {"type": "object", "properties": {"t": {"const": 2}}}]}, "any-of-left"),
+]
+
 NOT_TYPE = [
     case({"not": {"type": "string"}}, {"type": ALL_BUT_STRING}, "not-string"),
     case({"not": {"type": "integer"}}, {"type": NO_NUMBERS}, "not-integer-no-numbers"),
@@ -459,7 +542,8 @@ SUBSCHEMAS = [
 ]
 REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additional-properties": ADDITIONAL_PROPERTIES,
             "ref": REFS, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
-            "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS}
+            "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS,
+            "if-then-cases": IF_THEN_CASES, "one-of-told-apart": ONE_OF_TOLD_APART}
 
 
 @pytest.mark.parametrize("schema, expected", [pytest.param(*p.values, id=f"{rewrite}-{p.id}")

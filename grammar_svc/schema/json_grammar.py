@@ -16,7 +16,12 @@ xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
 5. bounded strings are put in tail form (grammar_svc/schema/bounded_strings.py), the
    same language with masks that are cached lookups; bounds past 128 in a
    blocked form, and one-class bounded `pattern`s as bounded strings
-   (grammar_svc/schema/bounded_patterns.py).
+   (grammar_svc/schema/bounded_patterns.py);
+6. a string with both a `pattern` and a `format` loses its `format`: xgrammar
+   writes one of them, the format when it knows it, and drops the pattern.
+   The pattern is what the schema's author wrote to constrain the string, and
+   the one the validator asserts (`format` is an annotation unless a format
+   checker is asked for). Only xgrammar's schema: llguidance enforces both.
 
 `GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
 grammar id never refers to a grammar an older path compiled.
@@ -33,14 +38,38 @@ from grammar_svc.schema.schema_normalise import normalise_schema
 from grammar_svc.types import JsonOptions, Whitespace
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-8"
+GRAMMAR_REVISION = "json-grammar-9"
 
 
-def normalised_schema_text(schema_text: str) -> str:
-    """The schema xgrammar is given: normalised where that makes its grammar right, else as it was."""
+def normalised_schema_text(schema_text: str, *, for_xgrammar: bool = False) -> str:
+    """The schema a backend is given: normalised where that makes its grammar right, else as it was.
+
+    for_xgrammar: also a `pattern`'s `format` dropped (the module docstring, 6)."""
     schema = json.loads(schema_text)
     normalised = normalise_schema(schema)
+    if for_xgrammar:
+        normalised = _pattern_over_format(normalised)
     return schema_text if normalised == schema else json.dumps(normalised, ensure_ascii=False)
+
+
+# Keywords whose values are JSON documents (a "format" there is data), and those mapping names to schemas (a
+# property may be called "format").
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "definitions", "$defs", "dependentSchemas"})
+
+
+def _pattern_over_format(node):
+    # Recursive: normalisation bounds the schema's nesting (MAX_DEPTH).
+    if isinstance(node, list):
+        return [_pattern_over_format(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYWORDS
+           else {n: _pattern_over_format(s) for n, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict)
+           else _pattern_over_format(v) for k, v in node.items()}
+    if isinstance(out.get("pattern"), str) and isinstance(out.get("format"), str):
+        del out["format"]
+    return out
 
 
 def json_schema_ebnf(schema_text: str, json_options: JsonOptions, *, xgrammar_only: bool = False) -> str:
@@ -52,7 +81,8 @@ def json_schema_ebnf(schema_text: str, json_options: JsonOptions, *, xgrammar_on
 
     if xgrammar_only:
         return str(xgr.Grammar.from_json_schema(schema_text, **json_options.xgrammar_kwargs()))
-    ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text), **json_options.xgrammar_kwargs()))
+    ebnf = str(xgr.Grammar.from_json_schema(normalised_schema_text(schema_text, for_xgrammar=True),
+                                           **json_options.xgrammar_kwargs()))
     ebnf = escape_regex_strings(fix_string_characters(ebnf)[0])[0]
     return _compact_free_values(ebnf) if json_options.whitespace == Whitespace.COMPACT else ebnf
 

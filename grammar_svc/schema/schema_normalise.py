@@ -23,7 +23,20 @@ meaning:
   required too;
 - a `pattern` that is one repeated character class (`^[a-z0-9_]+$`) takes
   the string's `minLength`/`maxLength` into its repetition (xgrammar ignores
-  the lengths beside any `pattern`).
+  the lengths beside any `pattern`);
+- a discriminated union written with `if`/`then`/`else` (the node's own, or
+  parts of its `allOf`, each `if` only one property's `const`/`enum`, on an
+  object node that requires that property and lists its values in an
+  `enum`/`const`) becomes an `anyOf` with one branch per set of values the
+  same `then`/`else` schemas apply to: both backends ignore `if`.
+
+Both backends apply `oneOf` as `anyOf`. Where its branches are objects told
+apart by one property's `const`/`enum` values (no value in two branches), that
+property is made required in each, so no document matches two branches. That
+one narrows the schema: a document without the property, which the schema
+accepts when exactly one branch matches it, is not written. Any other `oneOf`
+stays `anyOf` to the grammars (the output check reports a document matching
+two branches).
 
 A merge this module cannot do exactly (two different `pattern`s, two
 `anyOf`s, a `$ref` cycle) leaves that node as it was: never a looser schema.
@@ -189,6 +202,8 @@ class _Normaliser:
 
     def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
+        if isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out:
+            out = self._if_then_cases(out)
         if isinstance(out.get("allOf"), list) and out["allOf"]:
             try:
                 out = self._merge_all_of(out)
@@ -202,6 +217,8 @@ class _Normaliser:
                     out = self._distribute(out, key)
                 except _CannotMerge:
                     pass  # left as it was
+        if isinstance(out.get("oneOf"), list):
+            out = _one_of_told_apart(out)
         if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
             out = _lengths_into_pattern(out)
         if isinstance(out.get("not"), dict) and set(out["not"]) == {"type"}:
@@ -266,6 +283,39 @@ class _Normaliser:
         out = {k: v for k, v in node.items() if k in _ANNOTATIONS}
         out[key] = branches
         return out
+
+    def _if_then_cases(self, node: dict) -> dict:
+        """`if`/`then`/`else` on one discriminator property as an `anyOf` of its values' cases (module docstring)."""
+        parts = node.get("allOf", [])
+        own = [{k: node[k] for k in ("if", "then", "else") if k in node}] if "if" in node else []
+        conditionals = [p for p in parts + own if _conditional_on(p) is not None] if isinstance(parts, list) else []
+        if not conditionals or "anyOf" in node or "oneOf" in node:
+            return node
+        base = {k: v for k, v in node.items() if k != "allOf" and not (own and k in own[0] and own[0] in conditionals)}
+        rest = [p for p in parts if _conditional_on(p) is None]
+        names = {_conditional_on(c) for c in conditionals}
+        try:
+            merged = self._merge_all_of({**base, "allOf": rest}) if rest else base
+            name = names.pop()
+            props = merged.get("properties") if isinstance(merged, dict) else None
+            values = _values_of(props.get(name)) if isinstance(props, dict) else None
+            if names or not values or merged.get("type") != "object" or "anyOf" in merged or \
+                    "oneOf" in merged or not isinstance(merged.get("required"), list) or name not in merged["required"]:
+                return node
+            # One branch per set of values that the same `then`/`else` schemas apply to.
+            cases: dict[tuple, list] = {}
+            for v in values:
+                applied = tuple(_holds(c["if"], name, v) for c in conditionals)
+                cases.setdefault(applied, []).append(v)
+            branches = []
+            for applied, vs in cases.items():
+                branch: Any = {"properties": {name: {"enum": vs}}}
+                for c, holds in zip(conditionals, applied):
+                    branch = self.merge(branch, c.get("then" if holds else "else", True))
+                branches.append(branch)
+            return self.merge(merged, branches[0]) if len(branches) == 1 else {**merged, "anyOf": branches}
+        except _CannotMerge:
+            return node  # left as it was: the allOf merge below, and xgrammar ignores `if`
 
     def _resolved(self, schema: Any, seen: tuple[str, ...]) -> Any:
         """`schema` with a top-level local `$ref` replaced by its (normalised) target."""
@@ -355,6 +405,56 @@ class _Normaliser:
         if key == "uniqueItems" and isinstance(av, bool) and isinstance(bv, bool):
             return av or bv
         raise _CannotMerge(f"two different {key!r}")
+
+
+def _conditional_on(part: Any) -> str | None:
+    """The property an `{if, then, else}` part is conditional on, where its `if` is only that property's
+    `const`/`enum` (and that it is required); else None."""
+    if not isinstance(part, dict) or "if" not in part or not set(part) <= {"if", "then", "else"}:
+        return None
+    cond = part["if"]
+    props = cond.get("properties") if isinstance(cond, dict) else None
+    if not isinstance(props, dict) or len(props) != 1 or not set(cond) <= {"properties", "required"}:
+        return None
+    (name, schema), = props.items()
+    if cond.get("required", [name]) not in ([], [name]) or not isinstance(schema, dict) or len(schema) != 1 or \
+            _values_of(schema) is None:
+        return None
+    return name
+
+
+def _values_of(schema: Any) -> list | None:
+    """The values a `const` or `enum` schema allows (None: not such a schema)."""
+    if isinstance(schema, dict) and "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    return None
+
+
+def _holds(cond: dict, name: str, value: Any) -> bool:
+    return json_key(value) in {json_key(v) for v in _values_of(cond["properties"][name])}
+
+
+def _one_of_told_apart(node: dict) -> dict:
+    """`oneOf` branches told apart by one property's values, that property required in each (module docstring)."""
+    branches = node["oneOf"]
+    if len(branches) < 2 or not all(isinstance(b, dict) and b.get("type") == "object" and
+                                     isinstance(b.get("properties"), dict) and
+                                     isinstance(b.get("required", []), list) for b in branches):
+        return node
+    for name in branches[0]["properties"]:
+        values = [_values_of(b["properties"].get(name)) for b in branches]
+        if any(v is None for v in values):
+            continue
+        keys = [{json_key(v) for v in vs} for vs in values]
+        if sum(len(k) for k in keys) != len(set().union(*keys)):
+            continue  # two branches share a value
+        out = dict(node)
+        out["oneOf"] = [b if name in b.get("required", []) else {**b, "required": [*b.get("required", []), name]}
+                        for b in branches]
+        return out
+    return node
 
 
 def _not_type(node: dict) -> dict:
