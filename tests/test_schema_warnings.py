@@ -22,7 +22,8 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from grammar_svc.schema.schema_warnings import ENFORCED_FORMATS, IGNORED_KEYWORDS, MAX_WARNINGS, scan
+from grammar_svc.schema.schema_warnings import (ENFORCED_FORMATS, FORMAT_BESIDE_PATTERN, IGNORED_KEYWORDS,
+                                                MAX_WARNINGS, scan)
 from grammar_svc.types import JsonOptions
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
@@ -211,6 +212,17 @@ def test_unenforced_format_accepts_anything(compiler, stop_token, fmt):
     compiled = compile_schema(compiler, schema, STRICT)
     assert accepts(compiled, bad, stop_token), f"xgrammar now enforces format {fmt}: add it to ENFORCED_FORMATS"
     assert scan(schema) == [f"/: format {fmt!r} is not enforced: any string is allowed"]
+
+
+def test_enforced_format_beside_a_pattern_is_named_and_not_enforced(compiler, stop_token):
+    from grammar_svc.schema.json_grammar import compile_json_schema
+
+    schema = {"type": "string", "format": "date", "pattern": "^[0-9]{2}$"}
+    assert scan(schema) == [f"/: {FORMAT_BESIDE_PATTERN.format(fmt='date')}"]
+    assert not spec_valid(schema, "99") and not spec_valid(schema, "2024-01-31")
+    compiled = compile_json_schema(compiler, json.dumps(schema), STRICT)
+    assert accepts(compiled, "99", stop_token)  # the pattern's, not a date
+    assert not accepts(compiled, "2024-01-31", stop_token)
 
 
 def test_xgrammar_warned_keywords_are_really_not_enforced(compiler, stop_token):

@@ -42,6 +42,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 MAX_WARNINGS = 64
+FORMAT_BESIDE_PATTERN = "format {fmt!r} beside a pattern is not enforced: the pattern is"
 
 
 def _escape(token: str) -> str:
@@ -66,6 +67,9 @@ def scan(schema) -> list[str]:
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
             found.append(f"{pointer or '/'}: format {fmt!r} is not enforced: any string is allowed")
+        elif isinstance(fmt, str) and isinstance(node.get("pattern"), str):
+            # xgrammar writes one of the two; structd gives it the pattern (grammar_svc/schema/json_grammar.py).
+            found.append(f"{pointer or '/'}: {FORMAT_BESIDE_PATTERN.format(fmt=fmt)}")
         for key in _SCHEMA_VALUED:
             if isinstance(node.get(key), dict):
                 stack.append((f"{pointer}/{_escape(key)}", node[key]))
