@@ -9,7 +9,11 @@
   seconds is served by llguidance (reason xgrammar_slow), remembered in the cache; a pattern xgrammar
   refuses is served by llguidance (xgrammar_refused); one both refuse keeps xgrammar's INVALID_ARGUMENT; one
   llguidance refuses and xgrammar has not compiled by the budget is INVALID_ARGUMENT then, naming llguidance's reason;
-  grammar_svc_backend_choices_total counts each choice.
+  grammar_svc_backend_choices_total counts each choice. No path (feature, busy, budget) trades xgrammar for an
+  llguidance grammar that ignores a keyword xgrammar's enforces (llguidance_ignores). The hedge built before the
+  budget is no fallback until the budget decides, and an id it served stays valid; an outlived compile is stopped
+  for its worker as the shared compile, only while nobody but outlived requests waits for it.
+- A compile's deadline covers loading its grammar into the service.
 - A grammar replica on --grammar-backend llguidance serves constrained requests end to end through the
   inference service: the outputs are valid and checked.
 - Constraint.backend (a request's choice) overrides that replica's flag and reaches its Compile; the
@@ -217,7 +221,7 @@ def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer
     # llguidance would drop propertyNames (beside properties, structd does not write it as patternProperties):
     # the multipleOf is not worth that.
     pytest.param({"type": "object", "properties": {"a": {"type": "number"}}, "propertyNames": {"pattern": "^[a-z]+$"},
-                  "additionalProperties": {"type": "number", "multipleOf": 0.5}}, XGRAMMAR, "default",
+                  "additionalProperties": {"type": "number", "multipleOf": 0.5}}, XGRAMMAR, "llguidance_ignores",
                  id="llguidance-would-ignore-more"),
     # Alone, propertyNames' pattern is written as patternProperties for llguidance: nothing is dropped.
     pytest.param({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
@@ -227,12 +231,14 @@ def test_a_constraint_both_refuse_keeps_xgrammars_refusal(auto_server, tokenizer
 def test_auto_serves_what_only_llguidance_enforces_from_llguidance(auto_server, tokenizer_desc, schema, backend,
                                                                     reason):
     """xgrammar drops multipleOf on numbers (warning); llguidance enforces it: auto chooses llguidance for it
-    (reason feature), and a repeat is answered from llguidance's cached grammar."""
+    (reason feature), and a repeat is answered from llguidance's cached grammar. Where llguidance would drop more,
+    xgrammar serves it and says why (llguidance_ignores); a repeat finds xgrammar's grammar cached (default)."""
     spec = json_schema({"title": salt(), **schema})
     first = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
     assert (first.backend, first.backend_reason) == (backend, reason), first.warnings
     again = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
-    assert (again.backend, again.backend_reason, again.cache_hit) == (backend, reason, True)
+    assert (again.backend, again.backend_reason, again.cache_hit) == (
+        backend, "default" if backend == XGRAMMAR else reason, True)
 
 
 def test_auto_keeps_xgrammar_for_what_it_compiles_in_time(auto_server, tokenizer_desc):
@@ -345,24 +351,217 @@ def test_a_compile_that_outlived_its_budget_gives_its_worker_up_to_the_next_requ
     assert restarts(auto_server, "abandoned") == abandoned + 1
 
 
+def worker_free(srv):
+    """The server's compile pool, once its one worker is idle (a test before may have left it being replaced)."""
+    pool = srv.server.backend.pool
+    wait_until(lambda: pool.idle_workers == 1, "the compile worker is free", timeout=120.0)
+    return pool
+
+
+def inflight_waiters(srv, spec: pb.GrammarSpec, fingerprint: str) -> int:
+    """How many requests wait on the xgrammar compile of `spec` in flight (0: none in flight)."""
+    from grammar_svc.servicer import spec_from_proto
+
+    flight = srv.server.backend._inflight.get(spec_from_proto(spec).grammar_id(fingerprint))
+    return flight.waiters if flight is not None else 0
+
+
+def test_a_compile_two_outlived_requests_share_gives_its_worker_up(auto_server, tokenizer_desc):
+    """Two requests for one schema share one xgrammar compile and both outlive their budget: the compile is
+    stopped for the next request's worker (it follows the shared compile, not one request's share of it, which
+    stopped alone left the worker compiling and the next request queued behind it)."""
+    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    spec = json_schema({"title": salt(), **TOO_SLOW_SCHEMA})
+
+    async def both():
+        client = GrammarClient(auto_server.target)
+        try:
+            return await asyncio.gather(*(client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120)
+                                          for _ in range(2)))
+        finally:
+            await client.close()
+
+    outs = run(both())
+    assert [(out.backend, out.backend_reason) for out in outs] == [(LLGUIDANCE, "xgrammar_slow")] * 2
+    assert inflight_waiters(auto_server, spec, fingerprint) == 2  # both went on waiting: one compile, two shares
+    wait_until(lambda: pool.busy_workers == 1 and not pool.waiting_jobs, "the compile is on the worker", 120.0)
+    abandoned = restarts(auto_server, "abandoned")
+    out = auto_compile(auto_server, fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"))
+    assert out.backend_reason != "xgrammar_busy"
+    assert restarts(auto_server, "abandoned") == abandoned + 1
+    assert inflight_waiters(auto_server, spec, fingerprint) == 0
+
+
+def test_a_compile_a_request_still_waits_for_is_not_stopped_for_the_next(auto_server, tokenizer_desc):
+    """A compile that outlived one request's budget but that a request naming xgrammar also waits for goes on:
+    the next schema goes to llguidance as busy (its worker is not coming free). Once only outlived requests
+    wait for it, it is stopped for the next request's worker."""
+    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    spec = json_schema({"title": salt(), **TOO_SLOW_SCHEMA})
+
+    async def go():
+        client = GrammarClient(auto_server.target)
+        named = None
+        try:
+            first = await client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120)
+            named = asyncio.ensure_future(compile_on(client, fingerprint, spec, XGRAMMAR, 60.0))
+            while inflight_waiters(auto_server, spec, fingerprint) < 2:
+                assert not named.done(), named
+                await asyncio.sleep(0.02)
+            abandoned = restarts(auto_server, "abandoned")
+            busy = await client.compile(fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"), timeout_seconds=20.0,
+                                        rpc_timeout=120)
+            kept = (restarts(auto_server, "abandoned") == abandoned, inflight_waiters(auto_server, spec, fingerprint))
+            named.cancel()
+            await asyncio.gather(named, return_exceptions=True)
+            while inflight_waiters(auto_server, spec, fingerprint) > 1:
+                await asyncio.sleep(0.02)
+            after = await client.compile(fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"), timeout_seconds=20.0,
+                                         rpc_timeout=120)
+            return first, busy, kept, after, restarts(auto_server, "abandoned") - abandoned
+        finally:
+            if named is not None:
+                named.cancel()
+                await asyncio.gather(named, return_exceptions=True)
+            await client.close()
+
+    first, busy, kept, after, stopped = run(go())
+    assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
+    assert (busy.backend, busy.backend_reason) == (LLGUIDANCE, "xgrammar_busy")
+    assert kept == (True, 2)
+    assert after.backend_reason != "xgrammar_busy" and stopped == 1
+
+
+def test_the_hedge_is_no_fallback_until_the_budget_decides(auto_server, tokenizer_desc):
+    """auto builds llguidance's grammar from half the budget on, beside xgrammar's compile. Until the budget
+    decides, that grammar is no fallback: a second auto request for the schema waits for xgrammar too (it was
+    answered from it as xgrammar_slow), and a request naming llguidance that was served from it keeps a valid
+    id once xgrammar answers within the budget (it was dropped then)."""
+    from grammar_svc.compile.cache import CompiledEntry
+    from grammar_svc.servicer import spec_from_proto
+
+    backend = auto_server.server.backend
+    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    spec = pb.GrammarSpec(regex=f"{salt()}[0-9]+")
+    llguidance_id = spec_from_proto(spec).grammar_id(fingerprint, "llguidance")
+
+    async def go():
+        client = GrammarClient(auto_server.target)
+        holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
+                                                  XGRAMMAR, 60.0))
+        pending = []
+        try:
+            await worker_held(pool, holder)
+            # Named, the schema's compile queues for the worker; auto's requests join it (no worker taken), so the
+            # hedge is built, and xgrammar answers as soon as the holder lets the worker go.
+            pending.append(asyncio.ensure_future(compile_on(client, fingerprint, spec, XGRAMMAR, 60.0)))
+            while not pool.waiting_jobs:
+                await asyncio.sleep(0.02)
+            auto = asyncio.ensure_future(client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120))
+            pending.append(auto)
+            while not isinstance(backend.cache.get(llguidance_id), CompiledEntry):
+                assert not auto.done(), auto
+                await asyncio.sleep(0.02)
+            named = await compile_on(client, fingerprint, spec, LLGUIDANCE)
+            again = asyncio.ensure_future(client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120))
+            pending.append(again)
+            while inflight_waiters(auto_server, spec, fingerprint) < 3 and not again.done():
+                await asyncio.sleep(0.02)
+            holder.cancel()  # its worker is killed and replaced: the named compile gets the new one
+            answers = await asyncio.gather(auto, again)
+            stream = client.open_stream(tokenizer_desc.vocab_size)
+            try:
+                opened = await stream.step([pb.SessionStep(session_id=1, open=pb.OpenSession(
+                    grammar_id=named.grammar_id))])
+                await end_stream(stream)
+            except BaseException:
+                stream.cancel()
+                raise
+            return named, answers, opened.results[0]
+        finally:
+            for fut in [holder, *pending]:
+                fut.cancel()
+            await asyncio.gather(holder, *pending, return_exceptions=True)
+            await client.close()
+
+    # Test-only settings: a budget with room for the holder's worker to be replaced before it ends (the fixture's is
+    # short), and no lane beside the holder (the queued compile would answer before the hedge is built).
+    kept = backend.fallback_after_seconds, pool.lane_after_seconds
+    backend.fallback_after_seconds, pool.lane_after_seconds = 4.0, 600.0
+    try:
+        named, answers, opened = run(go())
+    finally:
+        backend.fallback_after_seconds, pool.lane_after_seconds = kept
+    assert (named.backend, named.backend_reason, named.cache_hit) == (LLGUIDANCE, "requested", True)
+    assert [(out.backend, out.backend_reason) for out in answers] == [(XGRAMMAR, "default")] * 2
+    assert opened.status == pb.SESSION_STATUS_OK, opened
+
+
+# llguidance drops propertyNames beside properties; xgrammar enforces it. No feature only llguidance enforces.
+NAMES_LLGUIDANCE_DROPS = {"type": "object", "properties": {"a": {"type": "string"}},
+                          "propertyNames": {"pattern": "^[a-z]+$"}}
+
+
+def test_a_busy_moment_does_not_trade_a_keyword_xgrammar_enforces(auto_server, tokenizer_desc):
+    """No worker free, but llguidance's grammar would drop a keyword xgrammar's enforces: the request waits for
+    xgrammar (llguidance_ignores), as the feature path does, rather than go to llguidance as busy."""
+    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    spec = json_schema({"title": salt(), **NAMES_LLGUIDANCE_DROPS})
+    before = choices(auto_server, "xgrammar", "llguidance_ignores")
+
+    async def go():
+        client = GrammarClient(auto_server.target)
+        holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
+                                                  XGRAMMAR, 60.0))
+        asked = None
+        try:
+            await worker_held(pool, holder)
+            asked = asyncio.ensure_future(client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120))
+            while not pool.waiting_jobs and not asked.done():
+                await asyncio.sleep(0.02)
+            holder.cancel()  # its worker is killed and replaced: the queued compile gets the new one
+            return await asked
+        finally:
+            for fut in (holder, asked):
+                if fut is not None:
+                    fut.cancel()
+                    await asyncio.gather(fut, return_exceptions=True)
+            await client.close()
+
+    out = run(go())
+    assert (out.backend, out.backend_reason) == (XGRAMMAR, "llguidance_ignores")
+    assert choices(auto_server, "xgrammar", "llguidance_ignores") == before + 1
+
+
 OVERLAPPING_PATTERNS = {".*": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}  # llguidance refuses
 
 
-def test_a_schema_neither_serves_in_time_is_invalid_naming_llguidances_reason(auto_server, tokenizer_desc):
-    """llguidance refuses overlapping patternProperties; xgrammar compiles the schema for tens of seconds: at its
-    3 s deadline that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED, and asked again
-    (the timeout remembered) the same refusal comes from the cache, xgrammar not tried again."""
-    schema = {"title": salt(), **TOO_SLOW_SCHEMA, "patternProperties": OVERLAPPING_PATTERNS}
+@pytest.mark.parametrize("extra, code, named", [
+    pytest.param({"patternProperties": OVERLAPPING_PATTERNS}, grpc.StatusCode.INVALID_ARGUMENT,
+                 ("not disjoint", "xgrammar did not compile it"), id="llguidance-refuses"),
+    # llguidance drops propertyNames beside properties, which xgrammar enforces: not traded at the budget.
+    pytest.param({"propertyNames": {"pattern": "^k[0-9]+$"}}, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 ("ignores propertyNames", "backend llguidance"), id="llguidance-would-ignore"),
+])
+def test_a_schema_not_served_in_time_is_refused_naming_why(auto_server, tokenizer_desc, extra, code, named):
+    """xgrammar compiles the schema for tens of seconds. llguidance refuses overlapping patternProperties: at the
+    3 s deadline that is INVALID_ARGUMENT naming the refused feature, not DEADLINE_EXCEEDED. llguidance would
+    ignore propertyNames, which xgrammar enforces: past the budget xgrammar is waited for, and at the deadline
+    DEADLINE_EXCEEDED names the keyword and the way out, not llguidance's looser grammar. Asked again (the
+    timeout remembered) the same answer comes at once, xgrammar not tried again."""
+    schema = {"title": salt(), **TOO_SLOW_SCHEMA, **extra}
+    slow = choices(auto_server, "llguidance", "xgrammar_slow")
     timeouts = []
     for _ in range(2):
         with pytest.raises(grpc.RpcError) as info:
             call(auto_server.target, lambda client: client.compile(
                 tokenizer_desc.fingerprint, json_schema(schema), timeout_seconds=3.0, rpc_timeout=60))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-        assert "not disjoint" in info.value.details() and "xgrammar did not compile it" in info.value.details()
+        assert info.value.code() == code, info.value.details()
+        assert all(part in info.value.details() for part in named), info.value.details()
         timeouts.append(auto_server.server.metrics.registry.get_sample_value(
             "grammar_svc_compile_failures_total", {"kind": "json_schema", "reason": "timeout"}))
     assert timeouts[1] == timeouts[0]
+    assert choices(auto_server, "llguidance", "xgrammar_slow") == slow
 
 
 def test_a_schema_llguidance_refuses_is_served_by_xgrammar_past_the_budget(auto_server, tokenizer_desc):
@@ -506,3 +705,38 @@ def test_a_schema_nested_past_json_recursion_has_no_llguidance_only_feature():
 
     deep = '{"items": ' * 1000 + "{}" + "}" * 1000
     assert llguidance_only_features(deep) == []
+
+
+def test_loading_a_compiled_grammar_counts_against_the_deadline(grammar_server, registered):
+    """The compile's deadline covers loading its grammar into the service after the worker's compile (a large
+    grammar under a burst was answered seconds past it): with every thread that load could run on held, the
+    request is DEADLINE_EXCEEDED at its deadline, not answered whenever the load ends; the grammar lands in the
+    cache once loaded."""
+    from grammar_svc.compile.cache import CompiledEntry
+    from grammar_svc.servicer import spec_from_proto
+
+    loop = grammar_server.loop
+    release, holding = threading.Event(), threading.Event()
+
+    async def hold_threads():
+        # More than the loop's default executor has threads: every one of them waits for the release.
+        held = [loop.run_in_executor(None, release.wait) for _ in range(64)]
+        holding.set()
+        await asyncio.gather(*held)
+
+    held = asyncio.run_coroutine_threadsafe(hold_threads(), loop)
+    spec = pb.GrammarSpec(regex=f"{salt()}[0-9]+")
+    try:
+        assert holding.wait(60)
+        with pytest.raises(grpc.RpcError) as info:
+            call(registered.target, lambda client: client.compile(registered.fingerprint, spec, timeout_seconds=3.0,
+                                                                  rpc_timeout=20))
+    finally:
+        release.set()
+        held.result(60)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "loading the compiled grammar" in info.value.details(), info.value.details()
+    grammar_id = spec_from_proto(spec).grammar_id(registered.fingerprint)
+    wait_until(lambda: isinstance(grammar_server.server.backend.cache.get(grammar_id), CompiledEntry), "it landed")
+    again = call(registered.target, lambda client: client.compile(registered.fingerprint, spec, rpc_timeout=60))
+    assert (again.grammar_id, again.cache_hit) == (grammar_id, True)

@@ -17,12 +17,17 @@ request names one (CompileRequest.backend), or the replica's
 llguidance when xgrammar refuses the grammar, crashes on it, has not
 finished after --fallback-after-seconds, or could not even start it now
 (every compile worker busy and none about to be free: the request would
-queue). A compile past the budget goes on into the cache; where llguidance
-refuses the grammar too, the request waits for it within its deadline, and a
-grammar xgrammar does not finish then is INVALID_ARGUMENT naming llguidance's
-reason (at once when asked again, while the timeout is remembered). A fallback is cached
-under llguidance's grammar id: the next request for the same spec is answered
-from it, or from xgrammar's grammar once that is cached.
+queue); not for the budget or a busy moment (nor for a feature) where
+llguidance's grammar ignores a keyword xgrammar's enforces. A compile past
+the budget goes on into the cache (the shared compile, stopped for its
+worker only while no request but outlived ones waits for it); where
+llguidance refuses the grammar too, the request waits for it within its
+deadline, and a grammar xgrammar does not finish then is INVALID_ARGUMENT
+naming llguidance's reason (at once when asked again, while the timeout is
+remembered). A fallback is cached under llguidance's grammar id with the
+reason that decided it: the next request for the same spec is answered from
+it, or from xgrammar's grammar once that is cached. A grammar id a request
+was served from stays valid (nothing drops it but the cache's eviction).
 
 Per-caller limits live here too: distinct compiles a caller may wait on
 (caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
@@ -46,8 +51,8 @@ from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
 from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, XGRAMMAR, compile_llguidance,
-                                                    ignores_only_what_xgrammar_ignores, llguidance_only_features,
-                                                    llguidance_tokenizer)
+                                                    ignored_beyond_xgrammar, ignores_only_what_xgrammar_ignores,
+                                                    llguidance_only_features, llguidance_tokenizer)
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
@@ -72,6 +77,13 @@ XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED = "xgrammar_refused", "xgramma
 # auto: no compile worker was free or about to be, so xgrammar could not have started within the budget.
 XGRAMMAR_BUSY = "xgrammar_busy"
 FALLBACK_REASONS = (XGRAMMAR_REFUSED, XGRAMMAR_SLOW, XGRAMMAR_CRASHED, XGRAMMAR_BUSY)
+# auto: xgrammar served a schema auto would have given llguidance (feature, busy, slow), because llguidance's
+# grammar ignores a keyword xgrammar's enforces: that trade is not made for the client.
+LLGUIDANCE_IGNORES = "llguidance_ignores"
+# An llguidance grammar auto built before anything decided it would serve (the hedge, or a candidate refused for
+# what it ignores): cached, so a request naming llguidance is served from it and its id stays valid, but auto
+# answers from it only once a reason is recorded.
+UNDECIDED = ""
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,12 @@ class _Flight:
         self.task = task
         self.fingerprint = fingerprint
         self.waiters = 0
+        # The waiters whose requests llguidance answered (auto past its budget): they wait only to land the
+        # grammar in the cache, so a compile whose every waiter is one of them may be stopped for its worker.
+        self.outlived: set[asyncio.Future] = set()
+
+    def only_outlived(self) -> bool:
+        return not self.task.done() and self.waiters <= len(self.outlived)
 
 
 class GrammarBackend:
@@ -120,9 +138,9 @@ class GrammarBackend:
         self.timeout_cache_seconds = timeout_cache_seconds
         self.metrics = metrics
         self._inflight: dict[str, _Flight] = {}
-        # auto's xgrammar compiles that went on after the budget, oldest first: each finishes into the cache
-        # unless a request needs its worker first.
-        self._outlived: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()
+        # auto's xgrammar compiles (the shared flights) that went on after a request's budget, oldest first: each
+        # finishes into the cache unless a request needs its worker first and nobody else waits for it.
+        self._outlived: collections.OrderedDict[str, _Flight] = collections.OrderedDict()
         # grammar id -> workers that died compiling it.
         self._crashes: collections.OrderedDict[str, int] = collections.OrderedDict()
 
@@ -200,11 +218,12 @@ class GrammarBackend:
                             caller: str | None) -> CompileResult:
         """xgrammar's grammar, unless the schema uses what only llguidance enforces, or xgrammar refuses it,
         crashes on it, is still compiling it after --fallback-after-seconds or could not start it now: then
-        llguidance's (xgrammar's answer where llguidance refuses it too)."""
+        llguidance's (xgrammar's answer where llguidance refuses it too). Where only a feature or xgrammar's cost
+        speaks for llguidance, not if llguidance's grammar ignores a keyword xgrammar's enforces
+        (LLGUIDANCE_IGNORES): that trade is not made for the client."""
         xgrammar_id = spec.grammar_id(fingerprint)
         fallback = self.cache.get(spec.grammar_id(fingerprint, LLGUIDANCE))
-        if isinstance(fallback, CompiledEntry) and fallback.backend_reason == FEATURE and \
-                ignores_only_what_xgrammar_ignores(fallback.warnings):
+        if isinstance(fallback, CompiledEntry) and fallback.backend_reason == FEATURE:
             self.metrics.cache_hits.labels(spec.kind.value).inc()
             return CompileResult(fallback, True, FEATURE)
         served = self.cache.get(xgrammar_id)
@@ -228,86 +247,70 @@ class GrammarBackend:
             # busy moment (xgrammar never tried it) when a worker is free now.
             self.metrics.cache_hits.labels(spec.kind.value).inc()
             return CompileResult(fallback, True, fallback.backend_reason)
+        # Whether llguidance's grammar was refused for what it ignores: xgrammar's answer then says so.
+        declined = False
         if spec.kind is Kind.JSON_SCHEMA and llguidance_only_features(spec.text):
-            try:
-                chosen = await self._compile_llguidance(fingerprint, spec, timeout, FEATURE)
-            except (InvalidGrammarError, CompileTimeoutError):
-                chosen = None  # llguidance cannot serve it: xgrammar's looser grammar is still an answer
-            # Not where llguidance would drop a keyword xgrammar enforces: that trade is not made for the client.
+            chosen = await self._llguidance_candidate(fingerprint, spec, timeout)
             if chosen is not None and ignores_only_what_xgrammar_ignores(chosen.entry.warnings):
-                return chosen
-        if would_queue():
+                return self._decided(chosen, FEATURE)
+            declined = chosen is not None
+        if would_queue() and not declined:
             # Queued behind other compiles, xgrammar would spend the budget waiting (most of a burst did, then
             # fell back anyway: docs/benchmarks.md, "Backend coverage").
-            try:
-                return await self._compile_llguidance(fingerprint, spec, timeout, XGRAMMAR_BUSY)
-            except (InvalidGrammarError, CompileTimeoutError):
-                pass  # llguidance cannot serve it: waiting for xgrammar is the only answer left
+            chosen = await self._llguidance_candidate(fingerprint, spec, timeout)
+            if chosen is not None and ignores_only_what_xgrammar_ignores(chosen.entry.warnings):
+                return self._decided(chosen, XGRAMMAR_BUSY)
+            # Where llguidance cannot serve it, or would drop what xgrammar enforces, waiting for xgrammar is
+            # the only answer left.
+            declined = chosen is not None
         start = time.monotonic()
         budget = min(self.fallback_after_seconds, timeout)
         first = asyncio.ensure_future(self._compile(fingerprint, spec, timeout, caller))
         # llguidance's grammar is built from half the budget on, beside xgrammar's compile, so a fallback at the
-        # budget does not wait for it too.
+        # budget does not wait for it too. Built undecided: xgrammar may still answer within the budget.
         hedge = None
         try:
             done, _ = await asyncio.wait({first}, timeout=budget / 2)
             if not done:
                 hedge = asyncio.ensure_future(self._compile_llguidance(
-                    fingerprint, spec, timeout - (time.monotonic() - start), XGRAMMAR_SLOW))
+                    fingerprint, spec, timeout - (time.monotonic() - start), UNDECIDED))
                 hedge.add_done_callback(_consume)
                 done, _ = await asyncio.wait({first}, timeout=max(0.0, budget - (time.monotonic() - start)))
+            if not done:
+                try:
+                    result = await hedge
+                except (InvalidGrammarError, CompileTimeoutError):
+                    # llguidance refuses it or ran out of time: xgrammar's compile, past the budget (perhaps only
+                    # queued behind a burst), is the only answer left, so it is waited for within the deadline.
+                    # Refused at the budget, schemas xgrammar compiles in seconds, or milliseconds once a worker
+                    # is free, went unserved (docs/benchmarks.md, "Backend coverage").
+                    result = None
+                if result is not None and ignores_only_what_xgrammar_ignores(result.entry.warnings):
+                    self._outlive(xgrammar_id, first)
+                    return self._decided(result, XGRAMMAR_SLOW)
+                declined = declined or result is not None
+                await asyncio.wait({first})
         except BaseException:
             first.cancel()  # the caller went away: so does its share of the compile
             if hedge is not None:
                 hedge.cancel()
             raise
-        if not done:
-            try:
-                result = await hedge
-            except BaseException as e:
-                if not isinstance(e, (InvalidGrammarError, CompileTimeoutError)):
-                    first.cancel()
-                    raise
-                if isinstance(e, InvalidGrammarError):
-                    # llguidance refuses it: xgrammar's compile, past the budget (perhaps only queued behind a
-                    # burst), is the only answer left, so it is waited for within the deadline. Refused at the
-                    # budget, schemas xgrammar compiles in seconds, or milliseconds once a worker is free, went
-                    # unserved (docs/benchmarks.md, "Backend coverage"). One xgrammar does not finish either is
-                    # refused naming llguidance's reason; its timeout is remembered, so asked again it is refused
-                    # at once (below).
-                    try:
-                        return replace(await first, reason=DEFAULT)
-                    except CompileTimeoutError:
-                        raise _neither_serves(spec, timeout, e) from None
-                # llguidance ran out of time: xgrammar's compile, still running, is the answer after all.
-                return replace(await first, reason=DEFAULT)
-            if result.entry.backend_reason == XGRAMMAR_BUSY:
-                # Tried now, and slow: the next request is answered from the fallback without trying again.
-                self.cache.put(replace(result.entry, backend_reason=XGRAMMAR_SLOW))
-            self._outlive(xgrammar_id, first)
-            return result
         try:
-            served = replace(first.result(), reason=DEFAULT)
+            served = first.result()
         except InvalidGrammarError as e:
             refusal, reason = e, XGRAMMAR_REFUSED
         except GrammarCrashError as e:
             refusal, reason = e, XGRAMMAR_CRASHED
-        except CompileTimeoutError as e:  # a remembered timeout, or a deadline shorter than the budget
+        except CompileTimeoutError as e:  # past the deadline, remembered, or a deadline shorter than the budget
             refusal, reason = e, XGRAMMAR_SLOW
         else:
-            if hedge is not None:
-                # xgrammar answered within the budget after all: llguidance's grammar, built for nothing, is not
-                # left cached as if xgrammar had been slow.
-                hedge.add_done_callback(self._forget_hedge)
-            return served
+            return replace(served, reason=LLGUIDANCE_IGNORES if declined else DEFAULT)
         if hedge is not None:
             # llguidance's grammar is being built already: the fallback below is answered from it.
             await asyncio.gather(hedge, return_exceptions=True)
         try:
-            result = await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start), reason)
-            if result.entry.backend_reason != reason:
-                self.cache.put(replace(result.entry, backend_reason=reason))  # the hedge cached it as slow
-            return result
+            result = await self._compile_llguidance(fingerprint, spec, timeout - (time.monotonic() - start),
+                                                    UNDECIDED)
         except (InvalidGrammarError, CompileTimeoutError) as e:
             if (reason == XGRAMMAR_SLOW and isinstance(e, InvalidGrammarError)
                     and timeout >= self.fallback_after_seconds):
@@ -315,38 +318,66 @@ class GrammarBackend:
                 # (A deadline shorter than the budget ran out on the caller's side: DEADLINE_EXCEEDED, below.)
                 raise _neither_serves(spec, timeout, e) from None
             raise refusal from None  # both refuse it: xgrammar's reason is the one clients know
+        ignored = ignored_beyond_xgrammar(result.entry.warnings)
+        if reason == XGRAMMAR_SLOW and ignored:
+            # xgrammar could serve it, given the time; llguidance's grammar would not enforce all of it.
+            raise CompileTimeoutError(
+                f"{refusal} (llguidance compiles it at once but ignores {', '.join(ignored)}, which xgrammar "
+                "enforces: ask for backend llguidance to accept that, or for a longer deadline)") from None
+        return self._decided(result, reason)
+
+    async def _llguidance_candidate(self, fingerprint: str, spec: GrammarSpec, timeout: float) -> CompileResult | None:
+        """llguidance's grammar for auto to weigh, undecided; None where llguidance cannot serve it now."""
+        try:
+            return await self._compile_llguidance(fingerprint, spec, timeout, UNDECIDED)
+        except (InvalidGrammarError, CompileTimeoutError):  # llguidance's refusal: xgrammar's answer is still one
+            return None
+
+    def _decided(self, result: CompileResult, reason: str) -> CompileResult:
+        """auto's answer from llguidance's grammar, the reason that decided it recorded on the cached entry (the
+        next auto request for the constraint reads it there; the grammar id is unchanged)."""
+        entry = result.entry
+        if entry.backend_reason != reason:
+            entry = replace(entry, backend_reason=reason)
+            self.cache.put(entry)
+        return CompileResult(entry, result.cache_hit, reason)
 
     def _xgrammar_would_queue(self, xgrammar_id: str) -> bool:
         """Whether an xgrammar compile of this grammar asked for now would wait for a worker: none idle or
         starting that no earlier compile waits for. A compile that outlived its budget gives its worker up
-        (the oldest first) rather than send a request to the fallback, where nothing else waits."""
+        (the oldest first) rather than send a request to the fallback, where nothing else waits: not one that
+        a request still waits for (a request naming xgrammar, or auto's within its budget, joined it)."""
         if xgrammar_id in self._inflight:
             return False  # joining a compile in flight takes no worker
         pool = self.pool
         if pool.idle_workers + pool.starting_workers > pool.waiting_jobs:
             return False
-        while self._outlived and pool.waiting_jobs == 0:
-            _, task = self._outlived.popitem(last=False)
-            if not task.done():
-                task.cancel()  # its worker is killed and replaced: this request waits for that one
-                return False
+        if pool.waiting_jobs == 0:
+            for grammar_id, flight in list(self._outlived.items()):
+                if flight.task.done():
+                    del self._outlived[grammar_id]
+                elif flight.only_outlived():
+                    # Its worker is killed and replaced: this request waits for that one.
+                    del self._outlived[grammar_id]
+                    if self._inflight.get(grammar_id) is flight:
+                        del self._inflight[grammar_id]
+                    flight.task.cancel()
+                    return False
         return True
 
-    def _outlive(self, xgrammar_id: str, task: asyncio.Future) -> None:
-        """An xgrammar compile past the budget goes on (its caller has llguidance's answer) and finishes into
-        the cache, within the request's deadline, unless its worker is wanted first (_xgrammar_would_queue)."""
-        self._outlived[xgrammar_id] = task
-        task.add_done_callback(_consume)
-        task.add_done_callback(lambda f: self._outlived.pop(xgrammar_id, None) if self._outlived.get(
-            xgrammar_id) is f else None)
-
-    def _forget_hedge(self, hedge: asyncio.Future) -> None:
-        if hedge.cancelled() or hedge.exception() is not None:
-            return
-        result = hedge.result()
-        if not result.cache_hit:
-            self.cache.drop(result.entry.grammar_id)
-            self.metrics.cache_bytes.set(self.cache.bytes)
+    def _outlive(self, xgrammar_id: str, waiter: asyncio.Future) -> None:
+        """A request's xgrammar compile past the budget goes on (the request has llguidance's answer) and
+        finishes into the cache, within its deadline, unless its worker is wanted first (_xgrammar_would_queue)
+        while nobody else waits for it."""
+        waiter.add_done_callback(_consume)
+        flight = self._inflight.get(xgrammar_id)
+        if flight is None or flight.task.done():
+            return  # it ended as the budget did: the waiter ends with it
+        flight.outlived.add(waiter)
+        waiter.add_done_callback(flight.outlived.discard)
+        if self._outlived.get(xgrammar_id) is not flight:
+            self._outlived.pop(xgrammar_id, None)
+            self._outlived[xgrammar_id] = flight
 
     async def _compile_llguidance(self, fingerprint: str, spec: GrammarSpec, timeout: float,
                                   reason: str) -> CompileResult:
@@ -434,6 +465,8 @@ class GrammarBackend:
     def _compile_done(self, grammar_id: str, flight: _Flight) -> None:
         if self._inflight.get(grammar_id) is flight:
             del self._inflight[grammar_id]
+        if self._outlived.get(grammar_id) is flight:
+            del self._outlived[grammar_id]
         # Waiters get the error re-raised; retrieving it here keeps a compile
         # whose callers all went away from logging "exception never retrieved".
         if not flight.task.cancelled():
@@ -443,6 +476,7 @@ class GrammarBackend:
                             timeout: float) -> CompiledEntry:
         kind = spec.kind.value
         start = time.perf_counter()
+        deadline = time.monotonic() + timeout
         try:
             out = await self._compile_on_workers(tokenizer, spec, grammar_id, timeout)
         except WorkersBusyError:
@@ -468,10 +502,35 @@ class GrammarBackend:
         finally:
             self.metrics.cache_bytes.set(self.cache.bytes)
         if out.serialized is None:
-            compiled = await asyncio.to_thread(compile_spec, self._local_compiler(tokenizer), spec)
+            load = asyncio.ensure_future(asyncio.to_thread(compile_spec, self._local_compiler(tokenizer), spec))
         else:
-            compiled = await asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, out.serialized, tokenizer.info)
+            load = asyncio.ensure_future(
+                asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, out.serialized, tokenizer.info))
+        # Loading it here is part of the request's deadline (a large grammar under a burst took seconds past it:
+        # docs/benchmarks.md, "The whole sample"); a load past it still lands in the cache for the next request.
+        try:
+            compiled = await asyncio.wait_for(
+                asyncio.shield(load), max(0.0, deadline + out.tokenizer_seconds - time.monotonic()))
+        except asyncio.TimeoutError:
+            load.add_done_callback(lambda f: self._land(f, grammar_id, tokenizer, spec, out))
+            self.metrics.compile_failures.labels(kind, "timeout").inc()
+            raise CompileTimeoutError(
+                f"{kind} compilation exceeded its {timeout:g} s deadline loading the compiled grammar into the "
+                "grammar service; retry (it is cached once loaded)") from None
         self.metrics.compile_duration.labels(kind).observe(time.perf_counter() - start)
+        return self._keep(grammar_id, compiled, tokenizer, spec, out)
+
+    def _land(self, load: asyncio.Future, grammar_id: str, tokenizer: RegisteredTokenizer, spec: GrammarSpec,
+              out) -> None:
+        """A load that outlived its request's deadline: cached all the same, while its tokenizer is."""
+        if load.cancelled() or load.exception() is not None:
+            return  # xgrammar's failure to load it (retrieved here, not logged as never retrieved): compiled again
+        if tokenizer.fingerprint in self.tokenizers:
+            self._keep(grammar_id, load.result(), tokenizer, spec, out)
+
+    def _keep(self, grammar_id: str, compiled, tokenizer: RegisteredTokenizer, spec: GrammarSpec,
+              out) -> CompiledEntry:
+        """xgrammar's grammar, loaded in this process, cached."""
         entry = CompiledEntry(grammar_id, compiled, tokenizer, out.warnings, out.duration_seconds,
                               compiled.memory_size_bytes,
                               json_schema=spec.text if spec.kind is Kind.JSON_SCHEMA else None)

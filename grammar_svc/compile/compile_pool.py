@@ -71,6 +71,8 @@ class CompileOutput:
     warnings: tuple[str, ...]
     duration_seconds: float
     memory_bytes: int
+    # Spent loading the tokenizer into the worker first: outside the compile's deadline.
+    tokenizer_seconds: float = 0.0
 
 
 class WorkersBusyError(CompileTimeoutError):
@@ -527,8 +529,8 @@ class CompilePool:
     # ------------------------------------------------------------------ compile
 
     async def compile(self, fingerprint: str, info_json: str, spec: GrammarSpec, timeout_seconds: float) -> CompileOutput:
-        """Compiles on a worker; timeout_seconds bounds the wait for a free worker and,
-        separately, the compilation itself (loading a tokenizer into a worker does not count).
+        """Compiles on a worker; timeout_seconds bounds the wait for a free worker and the
+        compilation together (loading a tokenizer into a worker does not count).
 
         Raises WorkersBusyError, CompileTimeoutError, WorkerCrashedError (the caller
         decides whether to retry), InvalidGrammarError or UnavailableError.
@@ -537,18 +539,24 @@ class CompilePool:
             raise UnavailableError("grammar service is shutting down")
         if not self._started:
             raise UnavailableError("grammar service is starting: its compile workers are not up yet; retry shortly")
+        asked = time.monotonic()
         worker = await self._acquire(timeout_seconds)
         loop = asyncio.get_running_loop()
         stage = "tokenizer"
+        tokenizer_seconds = 0.0
         try:
             worker.job_started = time.monotonic()
             if fingerprint not in worker.tokenizers:
                 await self._read(loop, worker, worker.load_tokenizer, fingerprint, info_json)
+                tokenizer_seconds = time.monotonic() - worker.job_started
             stage = "compile"
             worker.start_compile()
+            # What the wait for a worker left of the deadline: a compile queued for most of it is not given the
+            # whole again (the request's deadline would pass before its answer).
+            left = timeout_seconds - (time.monotonic() - asked - tokenizer_seconds)
             reply = await asyncio.wait_for(
                 asyncio.shield(self._read(loop, worker, worker.compile, fingerprint, spec, self.ship_above_seconds)),
-                timeout_seconds)
+                max(0.0, left))
         except asyncio.TimeoutError:
             self._remove(worker, DEADLINE)
             raise CompileTimeoutError(
@@ -575,7 +583,7 @@ class CompilePool:
         self._release(worker)
         if status == "ok":
             _, serialized, warnings, duration, memory = reply
-            return CompileOutput(serialized, tuple(warnings), duration, memory)
+            return CompileOutput(serialized, tuple(warnings), duration, memory, tokenizer_seconds)
         if status == "invalid":
             raise InvalidGrammarError(f"{spec.kind.value}: {reply[1]}")
         if status == "too_large":

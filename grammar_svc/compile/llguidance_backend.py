@@ -229,14 +229,18 @@ def llguidance_only_features(text: str) -> list[str]:
     return found
 
 
-def ignores_only_what_xgrammar_ignores(warnings) -> bool:
-    """Whether llguidance's compile warnings name only keywords xgrammar does not enforce either, so serving
-    the grammar from llguidance loses nothing xgrammar's would have enforced."""
+def ignored_beyond_xgrammar(warnings) -> list[str]:
+    """The keywords llguidance's compile warnings say it ignores and xgrammar enforces, in order, once each."""
     from grammar_svc.schema.schema_warnings import IGNORED_KEYWORDS
 
     # then/else come with if; both apply oneOf as anyOf; unknown formats are ignored by both.
     shared = set(IGNORED_KEYWORDS) | {"then", "else", "oneOf", "Unknown"}
-    return all(line.split(" ", 1)[0] in shared for line in warnings)
+    return list(dict.fromkeys(line.split(" ", 1)[0] for line in warnings if line.split(" ", 1)[0] not in shared))
+
+
+def ignores_only_what_xgrammar_ignores(warnings) -> bool:
+    """Whether serving the grammar from llguidance loses nothing xgrammar's would have enforced."""
+    return not ignored_beyond_xgrammar(warnings)
 
 
 _UNIMPLEMENTED = re.compile(r"^Unimplemented keys: (\[.*?\])(?: \(\d+ times\))?$")
