@@ -740,3 +740,45 @@ def test_loading_a_compiled_grammar_counts_against_the_deadline(grammar_server, 
     wait_until(lambda: isinstance(grammar_server.server.backend.cache.get(grammar_id), CompiledEntry), "it landed")
     again = call(registered.target, lambda client: client.compile(registered.fingerprint, spec, rpc_timeout=60))
     assert (again.grammar_id, again.cache_hit) == (grammar_id, True)
+
+
+def test_the_wait_for_a_worker_counts_against_the_compiles_deadline(auto_server, tokenizer_desc):
+    """A compile that waited for a worker gets what the wait left of its deadline, not the whole again (the
+    request was answered up to twice its deadline late); timing out then is the queue's doing: not remembered as
+    the grammar's timeout."""
+    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    metric = "grammar_svc_compile_failures_total"
+
+    def failures(reason: str) -> float:
+        labels = {"kind": "json_schema", "reason": reason}
+        return auto_server.server.metrics.registry.get_sample_value(metric, labels) or 0.0
+
+    before = failures("busy"), failures("timeout")
+
+    async def go():
+        client = GrammarClient(auto_server.target)
+        holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
+                                                  XGRAMMAR, 60.0))
+        queued = None
+        try:
+            await worker_held(pool, holder)
+            queued = asyncio.ensure_future(compile_on(
+                client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 3.0))
+            while not pool.waiting_jobs:
+                assert not queued.done(), queued
+                await asyncio.sleep(0.02)
+            holder.cancel()  # its worker is killed and replaced: the queued compile gets the new one
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await queued
+            return info.value
+        finally:
+            for fut in (holder, queued):
+                if fut is not None:
+                    fut.cancel()
+                    await asyncio.gather(fut, return_exceptions=True)
+            await client.close()
+
+    err = run(go())
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "waiting for a free compile worker" in err.details(), err.details()
+    assert (failures("busy"), failures("timeout")) == (before[0] + 1, before[1])

@@ -76,7 +76,8 @@ class CompileOutput:
 
 
 class WorkersBusyError(CompileTimeoutError):
-    """No worker became free in time: the grammar never ran, so this is not cached."""
+    """No worker became free in time, or the wait for one left the compile too little of its deadline: the
+    queue's doing, not the grammar's, so this is not cached."""
 
 
 class WorkerCrashedError(UnavailableError):
@@ -540,6 +541,7 @@ class CompilePool:
         if not self._started:
             raise UnavailableError("grammar service is starting: its compile workers are not up yet; retry shortly")
         asked = time.monotonic()
+        queued = not self._idle
         worker = await self._acquire(timeout_seconds)
         loop = asyncio.get_running_loop()
         stage = "tokenizer"
@@ -559,6 +561,10 @@ class CompilePool:
                 max(0.0, left))
         except asyncio.TimeoutError:
             self._remove(worker, DEADLINE)
+            if queued:
+                raise WorkersBusyError(
+                    f"{spec.kind.value} compilation ran out of its {timeout_seconds:g} s deadline, part of it spent "
+                    "waiting for a free compile worker (all busy); retry later") from None
             raise CompileTimeoutError(
                 f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped; "
                 "simplify the constraint or raise timeout_seconds"
