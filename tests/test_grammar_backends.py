@@ -358,6 +358,29 @@ def worker_free(srv):
     return pool
 
 
+async def behind_a_held_worker(srv, fingerprint: str, ask):
+    """ask(client)'s answer, asked while a compile of tens of seconds holds the server's one worker, which is let
+    go (killed and replaced) once the ask waits for a worker, or was answered without one."""
+    pool = srv.server.backend.pool
+    client = GrammarClient(srv.target)
+    holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
+                                              XGRAMMAR, 60.0))
+    asked = None
+    try:
+        await worker_held(pool, holder)
+        asked = asyncio.ensure_future(ask(client))
+        while not pool.waiting_jobs and not asked.done():
+            await asyncio.sleep(0.02)
+        holder.cancel()  # its worker is killed and replaced: a queued compile gets the new one
+        return await asked
+    finally:
+        for fut in (holder, asked):
+            if fut is not None:
+                fut.cancel()
+                await asyncio.gather(fut, return_exceptions=True)
+        await client.close()
+
+
 def inflight_waiters(srv, spec: pb.GrammarSpec, fingerprint: str) -> int:
     """How many requests wait on the xgrammar compile of `spec` in flight (0: none in flight)."""
     from grammar_svc.servicer import spec_from_proto
@@ -505,30 +528,12 @@ NAMES_LLGUIDANCE_DROPS = {"type": "object", "properties": {"a": {"type": "string
 def test_a_busy_moment_does_not_trade_a_keyword_xgrammar_enforces(auto_server, tokenizer_desc):
     """No worker free, but llguidance's grammar would drop a keyword xgrammar's enforces: the request waits for
     xgrammar (llguidance_ignores), as the feature path does, rather than go to llguidance as busy."""
-    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    fingerprint = tokenizer_desc.fingerprint
+    worker_free(auto_server)
     spec = json_schema({"title": salt(), **NAMES_LLGUIDANCE_DROPS})
     before = choices(auto_server, "xgrammar", "llguidance_ignores")
-
-    async def go():
-        client = GrammarClient(auto_server.target)
-        holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
-                                                  XGRAMMAR, 60.0))
-        asked = None
-        try:
-            await worker_held(pool, holder)
-            asked = asyncio.ensure_future(client.compile(fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120))
-            while not pool.waiting_jobs and not asked.done():
-                await asyncio.sleep(0.02)
-            holder.cancel()  # its worker is killed and replaced: the queued compile gets the new one
-            return await asked
-        finally:
-            for fut in (holder, asked):
-                if fut is not None:
-                    fut.cancel()
-                    await asyncio.gather(fut, return_exceptions=True)
-            await client.close()
-
-    out = run(go())
+    out = run(behind_a_held_worker(auto_server, fingerprint, lambda client: client.compile(
+        fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120)))
     assert (out.backend, out.backend_reason) == (XGRAMMAR, "llguidance_ignores")
     assert choices(auto_server, "xgrammar", "llguidance_ignores") == before + 1
 
@@ -746,7 +751,8 @@ def test_the_wait_for_a_worker_counts_against_the_compiles_deadline(auto_server,
     """A compile that waited for a worker gets what the wait left of its deadline, not the whole again (the
     request was answered up to twice its deadline late); timing out then is the queue's doing: not remembered as
     the grammar's timeout."""
-    pool, fingerprint = worker_free(auto_server), tokenizer_desc.fingerprint
+    fingerprint = tokenizer_desc.fingerprint
+    worker_free(auto_server)
     metric = "grammar_svc_compile_failures_total"
 
     def failures(reason: str) -> float:
@@ -755,30 +761,10 @@ def test_the_wait_for_a_worker_counts_against_the_compiles_deadline(auto_server,
 
     before = failures("busy"), failures("timeout")
 
-    async def go():
-        client = GrammarClient(auto_server.target)
-        holder = asyncio.ensure_future(compile_on(client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}),
-                                                  XGRAMMAR, 60.0))
-        queued = None
-        try:
-            await worker_held(pool, holder)
-            queued = asyncio.ensure_future(compile_on(
-                client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 3.0))
-            while not pool.waiting_jobs:
-                assert not queued.done(), queued
-                await asyncio.sleep(0.02)
-            holder.cancel()  # its worker is killed and replaced: the queued compile gets the new one
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await queued
-            return info.value
-        finally:
-            for fut in (holder, queued):
-                if fut is not None:
-                    fut.cancel()
-                    await asyncio.gather(fut, return_exceptions=True)
-            await client.close()
-
-    err = run(go())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        run(behind_a_held_worker(auto_server, fingerprint, lambda client: compile_on(
+            client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 3.0)))
+    err = info.value
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "waiting for a free compile worker" in err.details(), err.details()
     assert (failures("busy"), failures("timeout")) == (before[0] + 1, before[1])
