@@ -23,7 +23,7 @@ COMPILE_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 MASK_BYTES_BUCKETS = (4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 # Label values of grammar_svc_backend_choices_total: each backend and the reasons it can be chosen for.
 BACKEND_CHOICES = {
-    "xgrammar": ("requested", "configured", "default"),
+    "xgrammar": ("requested", "configured", "default", "llguidance_ignores"),
     "llguidance": ("requested", "configured", "feature", "xgrammar_refused", "xgrammar_slow", "xgrammar_crashed",
                    "xgrammar_busy"),
 }
@@ -50,7 +50,8 @@ class GrammarMetrics:
             "requested (CompileRequest.backend), configured (--grammar-backend), default (auto: xgrammar in "
             "time), feature (auto: what only llguidance enforces), xgrammar_refused, xgrammar_slow (past "
             "--fallback-after-seconds), xgrammar_crashed, xgrammar_busy (no compile worker free: auto's fallbacks "
-            "to llguidance).", ["backend", "reason"], registry=r)
+            "to llguidance), llguidance_ignores (auto: xgrammar, where llguidance's grammar would ignore a "
+            "keyword xgrammar's enforces).", ["backend", "reason"], registry=r)
         for backend, reasons in BACKEND_CHOICES.items():
             for reason in reasons:
                 self.backend_choices.labels(backend, reason)  # every possible choice exported from the start, at 0
