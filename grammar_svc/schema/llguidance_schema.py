@@ -40,10 +40,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from grammar_svc.schema.schema_normalise import REPEATED_ATOM, json_key, literal_of
+from grammar_svc.schema.schema_normalise import REPEATED_ATOM, json_key, literal_of, ref_siblings_ignored
 
-# The `$schema` of the drafts where a `$ref` replaces its node.
-_DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
 # What stays beside a `$ref`: keywords that constrain no document ($defs and ids also hold the targets of
 # other references, which must stay where they are).
 _KEPT_BESIDE_REF = frozenset({
@@ -58,12 +56,6 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names to schemas: a name there is no keyword ("default" may be a property).
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "definitions", "$defs", "dependentSchemas",
                           "dependencies"})
-
-
-def ref_siblings_ignored(schema: Any) -> bool:
-    """Whether `schema` declares a draft in which the keywords beside a `$ref` are ignored."""
-    draft = schema.get("$schema") if isinstance(schema, dict) else None
-    return isinstance(draft, str) and any(d in draft for d in _DRAFTS_IGNORING_REF_SIBLINGS)
 
 
 def llguidance_schema(schema: Any) -> Any:

@@ -90,8 +90,9 @@ _IGNORED_BY_XGRAMMAR = frozenset({"if", "then", "else", "not", "dependencies", "
                                   "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "contentEncoding",
                                   "contentMediaType", "contentSchema"})
 _JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
-# Drafts up to 7 ignore every keyword beside `$ref`.
-_DRAFTS_WITH_REF_SIBLINGS = ("2019-09", "2020-12")
+# The `$schema` of the drafts where a `$ref` replaces its node (every keyword beside it ignored). A schema
+# naming no draft is read as 2020-12, where they apply, as the output check reads it.
+_DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 
 class _CannotMerge(Exception):
@@ -104,14 +105,19 @@ def normalise_schema(schema: Any, budget: int | None = None) -> Any:
     RequestTooLargeError past `budget` nodes produced (default: node_budget(schema)) or MAX_DEPTH levels."""
     if not isinstance(schema, dict):
         return schema
-    draft = str(schema.get("$schema", ""))
-    normaliser = _Normaliser(schema, any(d in draft for d in _DRAFTS_WITH_REF_SIBLINGS),
+    normaliser = _Normaliser(schema, not ref_siblings_ignored(schema),
                              node_budget(schema) if budget is None else budget)
     out = normaliser.node(schema)
     # Merges share subtrees between places, so what json.dumps writes may be larger than what was built.
     if isinstance(out, dict):  # else the boolean schema an allOf of `false` merged into: nothing to measure
         _check_tree(out, normaliser.budget)
     return out
+
+
+def ref_siblings_ignored(schema: Any) -> bool:
+    """Whether `schema` declares a draft in which the keywords beside a `$ref` are ignored."""
+    draft = schema.get("$schema") if isinstance(schema, dict) else None
+    return isinstance(draft, str) and any(d in draft for d in _DRAFTS_IGNORING_REF_SIBLINGS)
 
 
 def node_budget(schema: Any) -> int:
