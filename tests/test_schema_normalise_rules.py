@@ -365,6 +365,9 @@ DISTRIBUTE = [
 # of its values that the same `then`/`else` schemas apply to (xgrammar and llguidance ignore `if`).
 K_ABC = {"type": "object", "properties": {"k": {"enum": ["a", "b", "c"]}}, "required": ["k"]}
 IF_K = {"if": {"properties": {"k": {"const": "a"}}}, "then": {"required": ["x"]}}
+# K_ABC's cases under IF_K: k "a" requires x, "b" and "c" do not.
+A_CASE = {"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "required": ["k", "x"]}
+BC_CASE = {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}
 
 IF_THEN_CASES = [
     case({**K_ABC, "allOf": [IF_K, {"if": {"properties": {"k": {"const": "b"}}, "required": ["k"]},
@@ -408,6 +411,25 @@ IF_THEN_CASES = [
                                {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"],
                                 "minProperties": 1}]}]},
          "beside-an-any-of-in-its-branch"),
+    case({**K_ABC, **IF_K, "else": {"maxProperties": 1}},
+         {"anyOf": [A_CASE, {**BC_CASE, "maxProperties": 1}]}, "the-node's-own-else"),
+    case({**K_ABC, **IF_K, "allOf": {"minProperties": 1}},
+         {**K_ABC, "if": IF_K["if"], "then": {"required": ["x"], "properties": {"x": {}}}, "allOf": {"minProperties": 1}},
+         "all-of-not-a-list-left"),
+    *(case({**K_ABC, "allOf": [IF_K, {key: [{"minProperties": 1}, {"maxProperties": 3}]}]},
+           {key: [{"anyOf": [{**A_CASE, "minProperties": 1}, {**BC_CASE, "minProperties": 1}]},
+                  {"anyOf": [{**A_CASE, "maxProperties": 3}, {**BC_CASE, "maxProperties": 3}]}]},
+           f"{key}-in-another-part-merged-first") for key in ("anyOf", "oneOf")),
+    case({"allOf": [IF_K, False]}, {"allOf": [{"if": IF_K["if"], "then": {"required": ["x"], "properties": {"x": {}}}},
+                                              False]}, "false-part-left"),
+    case({**K_ABC, "allOf": [{"if": True, "then": {"required": ["x"]}}]},
+         {**K_ABC, "if": True, "then": {"required": ["x"], "properties": {"x": {}}}}, "if-not-an-object-left"),
+    case({**K_ABC, "allOf": [{"if": {"properties": {"k": {"const": "a"}}, "minProperties": 2}, "then": {"maxProperties": 1}}]},
+         {**K_ABC, "if": {"properties": {"k": {"const": "a"}}, "minProperties": 2}, "then": {"maxProperties": 1}},
+         "if-beside-other-keywords-left"),
+    case({**K_ABC, "allOf": [{"if": {"properties": {"k": {"const": "a"}}, "required": "k"}, "then": {"maxProperties": 1}}]},
+         {**K_ABC, "if": {"properties": {"k": {"const": "a"}}, "required": "k"}, "then": {"maxProperties": 1}},
+         "if-required-not-a-list-left"),
 ]
 
 # oneOf branches, objects told apart by one property's values, which some branch does not require: required in
@@ -442,6 +464,16 @@ ONE_OF_TOLD_APART = [
                     {"type": "object", "properties": {"t": {"const": 2}}}]},
          {"anyOf": [{"type": "object", "properties": {"t": {"const": 1}}},
                     {"type": "object", "properties": {"t": {"const": 2}}}]}, "any-of-left"),
+    case({"oneOf": [{"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "x"}}},
+                    {"type": "object", "properties": {"b": {"const": "y"}, "a": {"const": 2}}}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "x"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"const": "y"}, "a": {"const": 2}}, "required": ["a"]}]},
+         "the-first-branch's-first-property-told-apart"),
+    case({"oneOf": [{"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "x"}}},
+                    {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "y"}}}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "x"}}, "required": ["b"]},
+                    {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "y"}}, "required": ["b"]}]},
+         "a-shared-value-then-the-next-property"),
 ]
 
 NOT_TYPE = [
@@ -699,6 +731,11 @@ def test_past_the_budget_or_the_depth_the_schema_is_refused_naming_where(schema,
     pytest.param(REF_ONLY, 6, id="ref"),
     pytest.param({"$schema": "https://json-schema.org/draft/2020-12/schema", "$defs": {"s": {"type": "string"}},
                   "allOf": [{"$ref": "#/$defs/s"}]}, 6, id="ref-without-siblings-copied-once"),
+    # An anyOf/oneOf beside an `if` leaves the node before its other parts are merged: the allOf merge after merges
+    # them once (merged first for the `if` as well, the same schema takes more nodes).
+    *(pytest.param({**K_ABC, key: branches, "allOf": [IF_K, {"maxProperties": 5}]}, budget, id=f"{key}-beside-an-if")
+      for key, branches, budget in (("anyOf", [{"minProperties": 1}], 38),
+                                    ("oneOf", [{"minProperties": 1}, {"maxProperties": 0}], 67))),
     pytest.param(nested("items", MAX_DEPTH - 1), 10_000, id="nested-to-the-limit"),
     pytest.param({"enum": [nested_lists(MAX_DEPTH - 2)]}, 10_000, id="value-nested-to-the-limit"),
 ])
