@@ -73,7 +73,7 @@ class InferenceServiceConfig:
     # The name clients see (GetModelInfo, the gateway's model); None: the hub id, the directory's name, or
     # the embedded model's name.
     served_model_name: str | None = None
-    # Where the embedded model is built and cached (None: ~/.cache/structd/models).
+    # Where the embedded model is built and cached, and the tokenizer's description (None: ~/.cache/structd/models).
     model_cache_dir: Path | None = None
     tp: int = 1
     device: str | None = None  # None: cuda when present, else cpu
@@ -239,7 +239,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                            "when missing); default: the embedded model, built on first use")
     f.add("--served-model-name", None, "the model name clients see (default: the hub id, the directory's name, or "
                                        "structd-tiny-llama for the embedded model)")
-    f.add("--model-cache-dir", None, "where the embedded model is cached (default ~/.cache/structd/models)",
+    f.add("--model-cache-dir", None, "where the embedded model is cached, and the tokenizer's description for "
+                                     "the grammar tier in its tokenizers/ (default ~/.cache/structd/models)",
           kind=Path)
     f.add("--tp", d.tp, "tensor-parallel ranks (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment, "
                         "as a LeaderWorkerSet sets them; without them ranks 1..N-1 are started locally)")

@@ -218,7 +218,7 @@ class EngineAssembly:
 
     async def build(self) -> ServedModel:
         """Loads the model and builds the engine (not started: see connect and start)."""
-        from shared.tokenizer import describe
+        from shared.tokenizer import describe, description_cache_dir
 
         c = self.config
         # The model loads (and the compiled body warms up) on the thread that will run every forward: CUDA graph
@@ -239,7 +239,8 @@ class EngineAssembly:
         log.info("model %s ready in %.1f s (served as %s; vocab %d; %s)", info.source.model_id, info.load_seconds,
                  info.served_name, runner.vocab_size,
                  "simulated" if c.simulate_step_ms else f"{info.dtype} on {info.device}")
-        desc = await asyncio.to_thread(describe, tok, runner.vocab_size)
+        desc = await asyncio.to_thread(describe, tok, runner.vocab_size,
+                                       cache_dir=description_cache_dir(c.model_cache_dir))
         self.chat = await asyncio.to_thread(load_chat, c, tok)
         self.tokenizer = tok
         view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2], self.chat[1])
