@@ -189,3 +189,24 @@ def test_normalised_shapes_are_enforced(tokenizer, hf_tokenizer, schema, cases):
     for document, valid in cases:
         assert Draft202012Validator(schema, format_checker=FormatChecker()).is_valid(document) is valid, document
         assert takes(compiled, hf_tokenizer, stop, document) is valid, document
+
+
+def test_a_stop_token_is_allowed_only_where_the_document_may_end(tokenizer, hf_tokenizer):
+    """A stop token's text fits in a JSON string: llguidance must read it as a special token, never as text
+    (the validity run's unterminated document, JsonSchemaStore's dart-test)."""
+    import numpy as np
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    compiled = compile_llguidance(tokenizer, GrammarSpec(Kind.JSON_SCHEMA, json.dumps(schema)))
+    matcher = LlguidanceMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, tokenizer.vocab_size)
+    words = bitmask[0].numpy().view(np.uint32)
+    allowed = []
+    for token in hf_tokenizer.encode('{"a":"x"}', add_special_tokens=False):
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed.append([bool(int(words[s >> 5]) >> (s & 31) & 1) for s in compiled.stop_token_ids])
+        assert matcher.accept_token(token)
+    matcher.fill_next_token_bitmask(bitmask)
+    assert not any(any(a) for a in allowed), allowed
+    assert all(int(words[s >> 5]) >> (s & 31) & 1 for s in compiled.stop_token_ids)

@@ -103,7 +103,9 @@ def _build_tokenizer(tok):
 
     info = tok.info
     stops = [int(t) for t in info.stop_token_ids]
-    specials = [int(t) for t in info.special_token_ids if int(t) not in stops]
+    # Stop tokens are special too: llguidance reads a token not marked special as its text, and a stop token's
+    # text ("<｜end▁of▁sentence｜>") fits in a JSON string, so masks inside a string allowed ending there.
+    specials = list(dict.fromkeys([int(t) for t in info.special_token_ids] + stops))
     tokens = list(tok.token_bytes)
     if tok.hf_tokenizer is not None:
         hf = tok.hf_tokenizer
