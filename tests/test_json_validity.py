@@ -177,6 +177,9 @@ DATE_AND_PATTERN = {"type": "string", "format": "date", "pattern": "^20[0-9]{2}-
 ONE_OF_TAGGED = {"type": "object", "oneOf": [
     {"properties": {"t": {"enum": ["a"]}, "v": {"type": "string"}}},
     {"properties": {"t": {"enum": ["b"]}, "v": {"type": ["string", "null"]}}}]}
+# JsonSchemaStore's dart-test: closed oneOf branches with no name in common, which `{}` matches both of.
+ONE_OF_CLOSED = {"type": "object", "oneOf": [{"properties": {"e": {"type": "integer"}}, "additionalProperties": False},
+                                             {"properties": {"o": {"type": "integer"}}, "additionalProperties": False}]}
 # JsonSchemaStore's gradle-enterprise-config-schema-7: a union written as if/then on a required `k`.
 IF_THEN_TAGGED = {"type": "object", "properties": {"k": {"enum": ["daily", "weekly"]}}, "required": ["k"], "allOf": [
     {"if": {"properties": {"k": {"const": "daily"}}},
@@ -231,6 +234,8 @@ DOCUMENT_CASES = [
     pytest.param(ONE_OF_TAGGED, '{"t":"b","v":null}', True, id="one-of-second-tag"),
     pytest.param(ONE_OF_TAGGED, "{}", False, id="one-of-both-branches-match-empty"),
     pytest.param(ONE_OF_TAGGED, '{"v":"x"}', False, id="one-of-both-branches-match-untagged"),
+    pytest.param(ONE_OF_CLOSED, '{"e":1}', True, id="one-of-closed-first"),
+    pytest.param(ONE_OF_CLOSED, "{}", False, id="one-of-closed-both-branches-match-empty"),
     pytest.param(IF_THEN_TAGGED, '{"k":"daily","t":1}', True, id="if-then-daily"),
     pytest.param(IF_THEN_TAGGED, '{"k":"weekly","d":"x"}', True, id="if-then-weekly"),
     pytest.param(IF_THEN_TAGGED, '{"k":"daily"}', False, id="if-then-required-by-then"),

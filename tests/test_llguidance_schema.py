@@ -176,6 +176,9 @@ DATE_20 = {"type": "string", "format": "date", "pattern": "^20"}
 @pytest.mark.parametrize("schema, cases", [
     pytest.param(TAGGED, [({"t": 1, "v": "x"}, True), ({"t": 2, "v": 3}, True), ({}, False), ({"v": "x"}, False),
                           ({"t": 3}, False)], id="one-of-told-apart"),
+    pytest.param({"type": "object", "oneOf": [{"properties": {"e": {}}, "additionalProperties": False},
+                                              {"properties": {"o": {}}, "additionalProperties": False}]},
+                 [({"e": 1}, True), ({"o": []}, True), ({}, False)], id="one-of-closed-branches"),
     pytest.param(CASES_BY_IF, [({"k": "a", "n": 1}, True), ({"k": "b"}, True), ({"k": "a"}, False),
                                ({"k": "b", "n": 1}, False)], id="if-then-cases"),
     pytest.param(DATE_20, [("2024-01-01", True), ("1999-01-01", False), ("20240101", False)],

@@ -432,6 +432,7 @@ IF_THEN_CASES = [
          "if-required-not-a-list-left"),
 ]
 
+CLOSED = {"additionalProperties": False}
 # oneOf branches, objects told apart by one property's values, which some branch does not require: required in
 # each, so no document matches two (one without it is no longer written: narrower, never looser).
 ONE_OF_TOLD_APART = [
@@ -474,6 +475,25 @@ ONE_OF_TOLD_APART = [
          {"oneOf": [{"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "x"}}, "required": ["b"]},
                     {"type": "object", "properties": {"a": {"const": 1}, "b": {"const": "y"}}, "required": ["b"]}]},
          "a-shared-value-then-the-next-property"),
+    # Closed branches with no name in common (JsonSchemaStore's dart-test): `{}` is the one shared document.
+    case({"type": "object", "oneOf": [{"properties": {"except": {}}, **CLOSED}, {"properties": {"only": {}}, **CLOSED},
+                                      {"properties": {"x": {}}, "required": ["x"], **CLOSED}]},
+         {"oneOf": [{"type": "object", "properties": {"except": {}}, **CLOSED, "minProperties": 1},
+                    {"type": "object", "properties": {"only": {}}, **CLOSED, "minProperties": 1},
+                    {"type": "object", "properties": {"x": {}}, "required": ["x"], **CLOSED}]},
+         "closed-branches-without-a-common-name"),
+    case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED},
+                                      {"properties": {"b": {}}, "minProperties": 2, **CLOSED}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED},
+                    {"type": "object", "properties": {"b": {}}, "minProperties": 2, **CLOSED}]},
+         "closed-branches-one-takes-the-empty-object-left"),
+    case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED}, {"properties": {"a": {}, "b": {}}, **CLOSED}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED},
+                    {"type": "object", "properties": {"a": {}, "b": {}}, **CLOSED}]},
+         "closed-branches-a-common-name-left"),
+    case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED}, {"properties": {"b": {}}}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED}, {"type": "object", "properties": {"b": {}}}]},
+         "an-open-branch-left"),
 ]
 
 NOT_TYPE = [

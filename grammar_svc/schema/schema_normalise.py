@@ -34,7 +34,10 @@ Both backends apply `oneOf` as `anyOf`. Where its branches are objects told
 apart by one property's `const`/`enum` values (no value in two branches), that
 property is made required in each, so no document matches two branches. That
 one narrows the schema: a document without the property, which the schema
-accepts when exactly one branch matches it, is not written. Any other `oneOf`
+accepts when exactly one branch matches it, is not written. Where its
+branches are closed objects (`additionalProperties: false`) no property name
+of which is another's, the one document two can share is `{}`, and the
+branches that accept it get `minProperties: 1` (exact). Any other `oneOf`
 stays `anyOf` to the grammars (the output check reports a document matching
 two branches).
 
@@ -460,7 +463,25 @@ def _one_of_told_apart(node: dict) -> dict:
         out["oneOf"] = [b if name in b.get("required", []) else {**b, "required": [*b.get("required", []), name]}
                         for b in branches]
         return out
-    return node
+    return _closed_branches_told_apart(node)
+
+
+def _closed_branches_told_apart(node: dict) -> dict:
+    """Closed object branches no name of which is another's: the one document two may share is `{}`, invalid
+    where two accept it, so each that does gets `minProperties: 1` (exact)."""
+    branches = node["oneOf"]
+    if not all(b.get("additionalProperties") is False and not b.get("patternProperties") for b in branches):
+        return node
+    names = [set(b["properties"]) for b in branches]
+    if sum(len(n) for n in names) != len(set().union(*names)):
+        return node
+    empty_ok = [i for i, b in enumerate(branches) if not b.get("required") and
+                not (_numbers(b.get("minProperties")) and b["minProperties"] >= 1)]
+    if len(empty_ok) < 2:
+        return node
+    out = dict(node)
+    out["oneOf"] = [{**b, "minProperties": 1} if i in empty_ok else b for i, b in enumerate(branches)]
+    return out
 
 
 def _not_type(node: dict) -> dict:
