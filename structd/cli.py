@@ -160,18 +160,30 @@ def _add_docs(sub) -> None:
     p.set_defaults(func=lambda args: cli_reference.run(args, build_parser))
 
 
-def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
+def build_parser(env: dict[str, str], only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; with `only` (a command name), that command's alone, which is what parsing
+    `structd <command> ...` needs: the benchmarks' parsers import every benchmark module, which each service
+    process would pay for at every start. A name that is not an installed command gets the whole parser (and
+    argparse's list of the commands there are)."""
     parser = argparse.ArgumentParser(prog="structd", description=__doc__.split("\n\n")[0].strip())
     sub = parser.add_subparsers(dest="command", required=True)
+    added: list[str] = []
+
+    def wanted(name: str) -> bool:
+        if only is None or name == only:
+            added.append(name)
+            return True
+        return False
+
     for name, module in SERVICES.items():
-        if _installed(module):
+        if _installed(module) and wanted(name):
             entry = importlib.import_module(module)
             p = sub.add_parser(name, help=entry.HELP, description=entry.DESCRIPTION)
             entry.add_arguments(p, env)
             p.set_defaults(func=entry.run, service=True)
-    if all(_installed(m) for m in (*SERVICES.values(), "structd.up")):
+    if all(_installed(m) for m in (*SERVICES.values(), "structd.up")) and wanted("up"):
         _add_up(sub, env)
-    if _installed("structd.generate"):
+    if _installed("structd.generate") and wanted("generate"):
         from structd import generate
 
         p = sub.add_parser("generate", help="generate a completion from a running inference service",
@@ -179,17 +191,20 @@ def build_parser(env: dict[str, str]) -> argparse.ArgumentParser:
                                        "inference.v1.InferenceService.")
         generate.add_arguments(p, env)
         p.set_defaults(func=generate.run)
-    if _installed("structd.bench"):
+    if _installed("structd.bench") and wanted("bench"):
         _add_bench(sub)
     # Not in the images (each copies only the CLI modules its service needs).
-    if _installed("structd.cli_reference"):
+    if _installed("structd.cli_reference") and wanted("docs"):
         _add_docs(sub)
+    if only is not None and not added:
+        return build_parser(env)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(dict(os.environ)).parse_args(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    args = build_parser(dict(os.environ), only=command).parse_args(argv)
     try:
         if getattr(args, "service", False):
             # A service gets the flags it was started with (a tensor-parallel rank 0 starts its other ranks with them).

@@ -273,8 +273,9 @@ def test_grammar_bad_configuration_exits_nonzero(argv, env, message):
 
 
 def test_the_command_line_is_read_without_the_model_libraries():
-    """Every `structd` command builds the whole parser, each service's flags included: a refused flag, `up`,
-    `generate` and the gateway load no model, and pay no torch, xgrammar or transformers import for it."""
+    """The whole parser (`structd --help`, `structd docs cli`, a name that is no command), each service's flags
+    included, loads no model library: a refused flag, `up`, `generate` and the gateway pay no torch, xgrammar or
+    transformers import for it."""
     probe = ("import sys\nfor name in ('torch', 'xgrammar', 'transformers'):\n    sys.modules[name] = None\n"
              "from structd import cli\ncli.build_parser({})\n")
     proc = subprocess.run([PYTHON, "-c", probe], cwd=REPO, env=clean_env(), capture_output=True, text=True,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from structd import cli_reference
 from structd.cli import build_parser, main
 
@@ -79,3 +81,34 @@ def test_check_fails_on_a_stale_file_naming_the_command_and_write_fixes_it(tmp_p
     assert main(["docs", "cli", "--write", "--path", str(path)]) == 0
     assert main(["docs", "cli", "--check", "--path", str(path)]) == 0
     assert path.read_text() == cli_reference.render(build_parser({}))
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    [action] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(action.choices)
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(["grammar", "--port", "0", "--compile-workers", "3"], id="grammar"),
+    pytest.param(["inference", "--simulate-step-ms", "5", "--grammar-target", "a:1,b:2"], id="inference"),
+    pytest.param(["gateway", "--port", "9000"], id="gateway"),
+    pytest.param(["up", "--grammar-replicas", "2"], id="up"),
+    pytest.param(["generate", "--choice", "yes", "Well?"], id="generate"),
+    pytest.param(["bench", "soak", "--out", "/o", "--streams", "4"], id="bench"),
+    pytest.param(["docs", "cli", "--check"], id="docs"),
+])
+def test_a_command_s_own_parser_reads_its_line_as_the_whole_parser_does(argv):
+    """main() builds the named command's parser alone (a service's start skips the benchmarks' imports)."""
+    own, whole = build_parser({}, only=argv[0]), build_parser({})
+    assert _commands(own) == [argv[0]] and argv[0] in _commands(whole)
+    got, want = vars(own.parse_args(argv)), vars(whole.parse_args(argv))
+    assert got.pop("func").__qualname__ == want.pop("func").__qualname__
+    assert got == want
+
+
+def test_a_name_that_is_no_command_gets_the_whole_parser_and_its_list(capsys):
+    assert _commands(build_parser({}, only="serve")) == _commands(build_parser({}))
+    with pytest.raises(SystemExit):
+        main(["serve"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'serve'" in err and all(f"'{c}'" in err for c in _commands(build_parser({})))
