@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from grammar_svc.schema.schema_normalise import MAX_DEPTH, node_budget, normalise_schema
+from grammar_svc.schema.schema_normalise import MAX_DEPTH, node_budget, normalise_schema, ref_siblings_ignored
 from shared.errors import RequestTooLargeError
 
 
@@ -515,6 +515,17 @@ NOT_TYPE = [
     case({"not": {"minLength": 1}}, {"not": {"minLength": 1}}, "not-without-type-left"),
 ]
 
+FALSE_PROPERTIES = [
+    case({"type": "object", "properties": {"a": {}, "additionalProperties": False}, "additionalProperties": False},
+         {"type": "object", "properties": {"a": {}}, "additionalProperties": False}, "unlisted-on-a-closed-object"),
+    case({"properties": {"a": False}}, {"properties": {"a": False}}, "open-object-left"),
+    case({"properties": {"a": False}, "additionalProperties": False, "patternProperties": {"^a": {}}},
+         {"properties": {"a": False}, "additionalProperties": False, "patternProperties": {"^a": {}}},
+         "beside-pattern-properties-left"),
+    case({"properties": {"a": False, "b": False}, "additionalProperties": False, "required": ["a"]},
+         {"properties": {"a": False}, "additionalProperties": False, "required": ["a"]}, "required-one-left"),
+]
+
 REQUIRED = [
     case({"type": "object", "required": ["a"]}, {"type": "object", "required": ["a"], "properties": {"a": {}}},
          "listed"),
@@ -613,7 +624,7 @@ SUBSCHEMAS = [
 REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additional-properties": ADDITIONAL_PROPERTIES,
             "ref": REFS, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
             "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS,
-            "if-then-cases": IF_THEN_CASES, "one-of-told-apart": ONE_OF_TOLD_APART}
+            "if-then-cases": IF_THEN_CASES, "false-properties": FALSE_PROPERTIES, "one-of-told-apart": ONE_OF_TOLD_APART}
 
 
 @pytest.mark.parametrize("schema, expected", [pytest.param(*p.values, id=f"{rewrite}-{p.id}")
@@ -638,6 +649,20 @@ def test_values_that_are_not_schemas_are_left(schema):
                                     pytest.param([1], id="not-a-schema")])
 def test_a_schema_that_is_not_an_object_is_itself(schema):
     assert normalise_schema(schema) is schema
+
+
+@pytest.mark.parametrize("schema, ignored", [
+    pytest.param({"$schema": "http://json-schema.org/draft-07/schema#"}, True, id="draft-07"),
+    pytest.param({"$schema": "http://json-schema.org/draft-04/schema#"}, True, id="draft-04"),
+    pytest.param({"$schema": "https://json-schema.org/draft/2020-12/schema"}, False, id="2020-12"),
+    pytest.param({}, False, id="no-draft-named"),
+    pytest.param({"$schema": 7}, False, id="draft-not-a-string"),
+    # llguidance_schema asks it of a normalised schema, which may be true or false (`{"allOf": [false]}`).
+    pytest.param(True, False, id="true"),
+    pytest.param(False, False, id="false"),
+])
+def test_which_schemas_ignore_the_keywords_beside_a_ref(schema, ignored):
+    assert ref_siblings_ignored(schema) is ignored
 
 
 def test_the_input_is_not_changed():
