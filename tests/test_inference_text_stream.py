@@ -74,6 +74,23 @@ def test_token_bytes_are_plain_bytes_and_cached(hf_tokenizer, vocab):
     assert vocab[bang] == b"!"
 
 
+def test_token_bytes_read_from_the_grammar_description_are_the_tokenizer_s(hf_tokenizer, tokenizer_desc, vocab):
+    """The inference service reads them from the handshake's description instead of describing the vocabulary
+    twice."""
+    assert token_bytes_for(hf_tokenizer, tokenizer_desc.info_json) == vocab
+
+
+@pytest.mark.parametrize("extra_ids", [pytest.param(64, id="padded-model-vocabulary"),
+                                       pytest.param(-8, id="model-vocabulary-smaller-than-the-tokenizer-s")])
+def test_a_description_of_another_width_gives_the_tokenizer_s_token_bytes(extra_ids):
+    from shared.tokenizer import describe
+    from tests.test_tokenizer_cache import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    got = token_bytes_for(tok, describe(tok, len(tok) + extra_ids).info_json)
+    assert len(got) == len(tok) and got == token_bytes_for(tok)
+
+
 def test_special_ids_are_what_decode_skips(hf_tokenizer, skip):
     # all_special_ids is only bos/eos here; pad and the placeholders are special added tokens too.
     assert {0, 1, 2, 128000, 128799} <= skip and len(skip) > len(hf_tokenizer.all_special_ids)

@@ -43,8 +43,9 @@ GIL_SWITCH_INTERVAL_SECONDS = 0.0001
 
 
 def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | None = None,
-                   family: ModelFamily | None = None) -> TokenizerView:
-    """The engine's view of the tokenizer; special tokens of the family's tool-call markup stay in the text."""
+                   family: ModelFamily | None = None, info_json: str | None = None) -> TokenizerView:
+    """The engine's view of the tokenizer; special tokens of the family's tool-call markup stay in the text.
+    info_json: the tokenizer's description for the grammar tier, which has every token's bytes."""
     from inference_svc.engine.text_stream import special_token_ids, token_bytes_for
 
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -57,7 +58,7 @@ def tokenizer_view(tokenizer, extra_eos_ids=(), think_ids: tuple[int, int] | Non
     special = frozenset(special_token_ids(tokenizer))
     if family is not None:
         special -= family.markup_ids(dict(zip(special, tokenizer.convert_ids_to_tokens(list(special)))))
-    return TokenizerView(encode=encode, token_bytes=token_bytes_for(tokenizer), special_ids=special,
+    return TokenizerView(encode=encode, token_bytes=token_bytes_for(tokenizer, info_json), special_ids=special,
                          eos_ids=frozenset(eos),
                          think_start_id=start, think_end_id=end)
 
@@ -243,7 +244,7 @@ class EngineAssembly:
                                        cache_dir=description_cache_dir(c.model_cache_dir))
         self.chat = await asyncio.to_thread(load_chat, c, tok)
         self.tokenizer = tok
-        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2], self.chat[1])
+        view = await asyncio.to_thread(tokenizer_view, tok, eos_ids, self.chat[2], self.chat[1], desc.info_json)
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)

@@ -128,16 +128,21 @@ class TextStream:
 
 
 @functools.lru_cache(maxsize=4)
-def token_bytes_for(tokenizer) -> tuple[bytes, ...]:
+def token_bytes_for(tokenizer, info_json: str | None = None) -> tuple[bytes, ...]:
     """Raw bytes of every token id (as xgrammar decodes them), for `TextStream`.
 
-    A tuple: the result is cached and shared by every stream.
+    A tuple: the result is cached and shared by every stream. info_json: xgrammar's serialized description of
+    this tokenizer (the grammar handshake's), read instead of describing the vocabulary again where it covers
+    every id (a model's padded vocabulary does; its padding is cut off).
     """
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    n = len(tokenizer)
+    info = xgr.TokenizerInfo.deserialize_json(info_json) if info_json is not None else None
+    if info is None or info.vocab_size < n:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=n)
     # decoded_vocab mixes bytes with a bytes subclass from xgrammar's FFI; plain bytes join faster.
-    return tuple(bytes(b) for b in info.decoded_vocab)
+    return tuple(bytes(b) for b in info.decoded_vocab[:n])
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
