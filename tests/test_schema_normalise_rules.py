@@ -494,6 +494,15 @@ ONE_OF_TOLD_APART = [
     case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED}, {"properties": {"b": {}}}]},
          {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED}, {"type": "object", "properties": {"b": {}}}]},
          "an-open-branch-left"),
+    case({"type": "object", "oneOf": [{"properties": {"a": {}}, "patternProperties": {"^b": {}}, **CLOSED},
+                                      {"properties": {"b": {}}, **CLOSED}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {}}, "patternProperties": {"^b": {}}, **CLOSED},
+                    {"type": "object", "properties": {"b": {}}, **CLOSED}]}, "a-pattern-may-share-a-name-left"),
+    case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED},
+                                      {"properties": {"b": {}}, "minProperties": 1, **CLOSED}]},
+         {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED},
+                    {"type": "object", "properties": {"b": {}}, "minProperties": 1, **CLOSED}]},
+         "closed-branches-one-has-min-properties-1-left"),
 ]
 
 NOT_TYPE = [
