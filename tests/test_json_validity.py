@@ -180,6 +180,9 @@ ONE_OF_TAGGED = {"type": "object", "oneOf": [
 # JsonSchemaStore's dart-test: closed oneOf branches with no name in common, which `{}` matches both of.
 ONE_OF_CLOSED = {"type": "object", "oneOf": [{"properties": {"e": {"type": "integer"}}, "additionalProperties": False},
                                              {"properties": {"o": {"type": "integer"}}, "additionalProperties": False}]}
+# JsonSchemaStore's semgrep: a property named additionalProperties whose schema is false (xgrammar refuses that).
+FALSE_PROPERTY = {"type": "object", "properties": {"a": {"type": "integer"}, "additionalProperties": False},
+                  "additionalProperties": False}
 # JsonSchemaStore's gradle-enterprise-config-schema-7: a union written as if/then on a required `k`.
 IF_THEN_TAGGED = {"type": "object", "properties": {"k": {"enum": ["daily", "weekly"]}}, "required": ["k"], "allOf": [
     {"if": {"properties": {"k": {"const": "daily"}}},
@@ -234,6 +237,8 @@ DOCUMENT_CASES = [
     pytest.param(ONE_OF_TAGGED, '{"t":"b","v":null}', True, id="one-of-second-tag"),
     pytest.param(ONE_OF_TAGGED, "{}", False, id="one-of-both-branches-match-empty"),
     pytest.param(ONE_OF_TAGGED, '{"v":"x"}', False, id="one-of-both-branches-match-untagged"),
+    pytest.param(FALSE_PROPERTY, '{"a":1}', True, id="false-property-absent"),
+    pytest.param(FALSE_PROPERTY, '{"additionalProperties":1}', False, id="false-property-present"),
     pytest.param(ONE_OF_CLOSED, '{"e":1}', True, id="one-of-closed-first"),
     pytest.param(ONE_OF_CLOSED, "{}", False, id="one-of-closed-both-branches-match-empty"),
     pytest.param(IF_THEN_TAGGED, '{"k":"daily","t":1}', True, id="if-then-daily"),

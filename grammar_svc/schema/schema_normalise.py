@@ -21,6 +21,10 @@ meaning:
   would otherwise drop it, writing an object without it; the names a
   required property's `dependencies` (`dependentRequired`) require are
   required too;
+- a property whose schema is `false` on a closed object (no
+  `patternProperties`), not required, is unlisted: forbidden all the same,
+  and xgrammar refuses a `false` property schema (JsonSchemaStore's semgrep
+  has one named `additionalProperties`);
 - a `pattern` that is one repeated character class (`^[a-z0-9_]+$`) takes
   the string's `minLength`/`maxLength` into its repetition (xgrammar ignores
   the lengths beside any `pattern`);
@@ -234,6 +238,9 @@ class _Normaliser:
             out = _not_type(out)
         if isinstance(out.get("required"), list):
             out = _required_listed(out)
+        if out.get("additionalProperties") is False and isinstance(out.get("properties"), dict) and \
+                False in out["properties"].values() and not out.get("patternProperties"):
+            out = _false_properties_unlisted(out)
         if isinstance(out.get("enum"), list) and "type" in out:
             kept = [v for v in out["enum"] if _has_type(v, out["type"])]
             if kept:
@@ -524,6 +531,13 @@ def _required_listed(node: dict) -> dict:
     if missing:
         out["properties"] = {**props, **{k: ({} if extra is True else extra) for k in missing}}
     return out
+
+
+def _false_properties_unlisted(node: dict) -> dict:
+    """A property whose schema is `false` on a closed object, not required: unlisted, forbidden all the same."""
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    props = {k: v for k, v in node["properties"].items() if v is not False or k in required}
+    return {**node, "properties": props}
 
 
 def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
