@@ -68,3 +68,25 @@ def test_end_to_end_outputs_are_valid_or_reported(tmp_path, capsys):
     assert bounded["outcome"] == "valid" and bounded["server_agrees"], bounded
     assert (tmp_path / "validity-e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| invalid, silent | 0 |" in capsys.readouterr().out
+
+
+def test_an_output_jsonschema_cannot_divide_is_not_judged():
+    """A finished output whose integer is past float range, under multipleOf: jsonschema raises OverflowError on
+    it (it ended a 3072-token run). Counted as not judged, the run goes on."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from structd.bench.validity_e2e import _one
+
+    class Client:  # the inference service's answer, as the stream hands it over (the bench's input here)
+        def generate(self, *args, **kwargs):
+            async def stream():
+                yield SimpleNamespace(text='{"n": ' + "9" * 400 + "}", finish_reason="stop", schema_check="unchecked",
+                                      schema_violations=[], schema_check_detail="")
+            return stream()
+
+    row = {"source": "t", "category": "t", "name": "huge",
+           "schema": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3.5}}}}
+    args = SimpleNamespace(e2e_max_tokens=8, e2e_timeout_seconds=5.0)
+    rec = asyncio.run(_one(Client(), row, args, 0))
+    assert rec["outcome"] == "not-judged" and "OverflowError" in rec["error"], rec

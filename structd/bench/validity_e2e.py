@@ -77,7 +77,9 @@ async def _one(client, row: dict, args, seed: int) -> dict:
     document = "".join(text)
     try:
         cause = validation_cause(document, row["schema"])
-    except (SchemaError, ValueError, LookupError) as e:  # jsonschema's failure on the schema itself (remote $ref)
+    # jsonschema's failure on the schema itself (remote $ref), or on a number it cannot divide (multipleOf of an
+    # integer past float range: OverflowError ended a 3072-token run).
+    except (SchemaError, ValueError, LookupError, ArithmeticError) as e:
         rec.update(outcome="not-judged", error=f"{type(e).__name__}: {str(e)[:160]}")
         return rec
     rec["cause"] = cause
