@@ -10,7 +10,8 @@ mass is left out, ties with the smallest kept token stay) and min_p (tokens unde
 likeliest token's weight are left out). Logprobs are those of that renormalised distribution. Every path
 is reached: greedy rows (numpy and torch), the batch's three groups (temperature only, cut among the
 likeliest tokens, allowed-id lists) and the row path the batch falls back to (a non-finite row, a
-temperature that overflows float32, a nucleus wider than the candidates).
+temperature that overflows float32, a nucleus wider than the candidates). The rewrites before the draw (the
+bias, the penalties, the min_tokens bans, row by row and for a step's rows at once) are pinned on exact values.
 """
 
 from __future__ import annotations
@@ -301,6 +302,51 @@ def test_penalties_and_bias_on_exact_values():
                                 (1, np.array([0]), np.array([1.0], dtype=np.float32), 0.5, 0.25),
                                 (0, np.array([2]), np.array([2.0], dtype=np.float32), 1.0, 1.0)])
     assert bad == {1, 2} and y.tolist() == [[1.0, -4.0, -2.5, NEG_INF, 4.0], [1.0] * 5, [2.0] * 5]
+
+
+def test_penalties_and_bias_on_a_later_row_in_the_logits_dtype():
+    """A row other than the first, float64 logits (the bias and the amounts are written in the logits' dtype), a
+    positive logit under 1 (divided: only negative ones are multiplied) and a bias at the first id past the row
+    (that row left out, the others exact)."""
+    x = torch.tensor([[1.0] * 4, [0.5, -0.5, 2.0, 0.0]], dtype=torch.float64)
+    sampling.add_at(x, 1, torch.tensor([2]), torch.tensor([0.25]))
+    sampling.apply_repetition_penalty(x, 1, np.array([0, 1, 3]), 2.0)
+    sampling.apply_occurrence_penalties(x, 1, np.array([3]), np.array([2.0], dtype=np.float32), 0.5, 0.25)
+    assert x.tolist() == [[1.0] * 4, [0.25, -1.0, 2.25, -1.0]]  # 0 stays 0 under the penalty
+    y = torch.tensor([[1.0] * 4, [0.5, -0.5, 2.0, 0.0], [3.0] * 4], dtype=torch.float64)
+    bad = sampling.adjust_rows(y, [(1, torch.tensor([2]), torch.tensor([0.25])), (2, torch.tensor([0, 4]),
+                                                                                torch.tensor([1.0, 1.0]))],
+                               [(1, np.array([0, 1, 3]), 2.0)],
+                               [(1, np.array([3]), np.array([2.0], dtype=np.float32), 0.5, 0.25)])
+    assert bad == {2} and y.tolist() == [[1.0] * 4, [0.25, -1.0, 2.25, -1.0], [3.0] * 4]
+    assert sampling.adjust_rows(y, [], [], []) == set() and y[1].tolist() == [0.25, -1.0, 2.25, -1.0]
+
+
+def test_ban_takes_the_banned_ids_out_of_an_allowed_list_unless_they_are_all_it_has():
+    x = torch.zeros(2, 6)
+    assert sampling.ban_unless_only(x, 1, np.array([2, 5]), np.array([0, 2, 3, 5])).tolist() == [0, 3]
+    assert sampling.ban_unless_only(x, 1, np.array([2, 5]), np.array([2, 5])).tolist() == [2, 5]
+    assert sampling.ban_unless_only(x, 1, np.array([4]), np.array([1, 3])).tolist() == [1, 3]
+    assert torch.equal(x, torch.zeros(2, 6))  # a listed row's logits are not written
+
+
+def test_ban_writes_minus_inf_at_a_rows_banned_ids_unless_nothing_else_is_finite():
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.0], [NEG_INF, 1.5, NEG_INF, -0.5], [1.0, 2.0, NEG_INF, NEG_INF]])
+    assert sampling.ban_unless_only(x, 1, np.array([1]), None) is None
+    assert x.tolist() == [[0.5, -1.0, 2.0, 0.0], [NEG_INF, NEG_INF, NEG_INF, -0.5], [1.0, 2.0, NEG_INF, NEG_INF]]
+    sampling.ban_unless_only(x, 1, np.array([3]), None)  # -0.5 is all the row has left: it stays
+    sampling.ban_unless_only(x, 2, np.array([0, 1]), None)  # both come back
+    assert x.tolist() == [[0.5, -1.0, 2.0, 0.0], [NEG_INF, NEG_INF, NEG_INF, -0.5], [1.0, 2.0, NEG_INF, NEG_INF]]
+
+
+def test_ban_over_rows_listed_out_of_order_with_bans_of_different_lengths():
+    x = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0], [NEG_INF, 1.0, NEG_INF, 2.0, NEG_INF], [5.0, 4.0, 3.0, 2.0, 1.0],
+                      [1.0, NEG_INF, 0.5, NEG_INF, 0.25]])
+    sampling.ban_rows_unless_only(x, [3, 1, 0], [np.array([4]), np.array([1, 3]), np.array([0, 2, 4])])
+    assert x.tolist() == [[NEG_INF, 1.0, NEG_INF, 3.0, NEG_INF], [NEG_INF, 1.0, NEG_INF, 2.0, NEG_INF],
+                          [5.0, 4.0, 3.0, 2.0, 1.0], [1.0, NEG_INF, 0.5, NEG_INF, NEG_INF]]
+    sampling.ban_rows_unless_only(x, [], [])  # no row: nothing to do
+    assert x[2].tolist() == [5.0, 4.0, 3.0, 2.0, 1.0]
 
 
 # ---------------------------------------------------------------- greedy
