@@ -638,15 +638,16 @@ def test_a_row_with_nothing_finite_beside_a_nucleus_in_the_batch():
     assert tokens[0] == expected(DISTINCT, 3, top_p=0.65) and not math.isfinite(float(x[1, tokens[1]]))
 
 
-@pytest.mark.parametrize("spec", [pytest.param(dict(), id="plain"), pytest.param(dict(min_p=0.5), id="min-p")])
+@pytest.mark.parametrize("spec", [pytest.param(dict(), id="plain"), pytest.param(dict(min_p=0.5), id="min-p"),
+                                  pytest.param(dict(top_k=3), id="top-k"), pytest.param(dict(top_p=0.9), id="top-p")])
 def test_a_row_with_nan_or_nothing_finite_draws_no_drawable_token(spec):
-    """Such a row takes the row path, whose token is no id or one at a non-finite logit: the step then refuses it
-    (step_sampler's check), where a draw in the batch could have picked a finite one. (Under top_k or top_p the
-    row path raises IndexError instead, which the step sampler also turns into that row's failure alone.)"""
+    """Such a row takes the row path, whose token is the id of a non-finite logit (under top_k, an id, not its
+    position among the likeliest): the step then refuses it (step_sampler's check), where a draw in the batch
+    could have picked a finite one."""
     x = torch.tensor([[0.0, 1.0, math.nan, 2.0], [0.5, 1.0, 0.0, 2.0], [NEG_INF] * 4])
     tokens = sample(x, [RowSampler(options(seed=s, **spec)) for s in (1, 2, 3)])
     for i in (0, 2):
-        assert not (0 <= tokens[i] < 4 and math.isfinite(x[i, tokens[i]])), tokens
+        assert 0 <= tokens[i] < 4 and not math.isfinite(x[i, tokens[i]]), tokens
     ids, p = reference(x[1], **spec)
     assert tokens[1] == drawn(ids, p, uniform(2))
 
@@ -740,3 +741,29 @@ def test_a_seeded_row_is_reproducible_and_needs_its_own_rows():
         torch.rand(3, generator=torch.Generator().manual_seed(3), dtype=torch.float64).tolist())]
     with pytest.raises(ValueError, match=r"logits \[2, 50\] do not have the rows 3 samplers draw from"):
         sample(x, [r] * 3)
+
+
+def test_a_listed_row_with_nothing_drawable_among_its_ids_gives_one_of_them():
+    """Allowed ids all -inf, or one NaN among them: the row path over those ids alone, whose token is an allowed
+    id at a non-finite logit (the whole row, finite elsewhere, would give a token the constraint forbids)."""
+    x = torch.tensor([[0.0, NEG_INF, 1.0, NEG_INF, 2.0], [0.5, 1.0, math.nan, 0.0, 2.0], [0.0, 3.0, 1.0, 2.0, 0.5]])
+    for spec in (dict(), dict(top_k=2), dict(top_p=0.9)):
+        rows = [RowSampler(options(seed=s, logprobs=True, **spec)) for s in (1, 2, 3)]
+        tokens, lps = sample_with_logprobs(x, rows, candidates=[np.array([1, 3]), np.array([0, 2, 3]), None])
+        assert tokens[0] in (1, 3) and tokens[1] == 2 and lps[:2] == [None, None]
+        assert tokens[2] == expected(x[2], 3, **spec)
+
+
+def test_rows_without_a_list_before_rows_with_one():
+    x = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+    rows = [RowSampler(options(temperature=0.0))] * 2
+    assert sample(x, rows, candidates=[None, np.array([0, 2])]) == [1, 2]
+
+
+def test_the_rows_asked_for_must_be_rows_of_a_matrix():
+    x = torch.zeros(2, 3)
+    r = RowSampler(options(temperature=0.0))
+    assert sample(x, []) == [] and sample_with_logprobs(x, []) == ([], [])
+    for logits, rows, at in ((x, [r, r], [0]), (torch.zeros(3), [r], None), (x, [r], [-1]), (x, [r], [2])):
+        with pytest.raises(ValueError, match=r"do not have the rows \d samplers draw from"):
+            sample(logits, rows, row_index=at)
