@@ -258,7 +258,10 @@ def test_a_compile_past_the_budget_finishes_into_the_cache_for_the_next_request(
     the next request for the schema gets xgrammar's grammar."""
     spec = json_schema({"title": salt(), **SLOW_SCHEMA})
     abandoned = restarts(auto_server, "abandoned")
-    first = auto_compile(auto_server, tokenizer_desc.fingerprint, spec)
+    # The shared compile runs to the first request's deadline (a joiner does not extend it): 60 s, room for the
+    # slow schema on a compile worker starved by make test's load (it ran past 20 s once).
+    first = call(auto_server.target, lambda client: client.compile(
+        tokenizer_desc.fingerprint, spec, timeout_seconds=60.0, rpc_timeout=120))
     assert (first.backend, first.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
     # Asked for by name, the same grammar joins the compile still in flight (or finds it cached).
     landed = call(auto_server.target, lambda client: client.compile(
