@@ -236,6 +236,21 @@ ADDITIONAL_PROPERTIES = [
                     {"properties": {"y": {"type": "integer"}}}]}, "other-name-contradicts-the-schema-left"),
     case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
          {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
+    # A pattern of one part names properties the other's additionalProperties governs: one node would let them
+    # past it ({"kind": 1, "x": 1} valid), and no keyword says "additional unless the other part's pattern".
+    case({"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {"type": "integer"}}}]},
+         {"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {"type": "integer"}}}]}, "the-others-pattern-beside-false-left"),
+    case({"allOf": [{"additionalProperties": {"type": "string"}}, {"patternProperties": {"^x": {"type": "integer"}}}]},
+         {"allOf": [{"additionalProperties": {"type": "string"}}, {"patternProperties": {"^x": {"type": "integer"}}}]},
+         "the-others-pattern-beside-a-schema-left"),
+    case({"allOf": [{"patternProperties": {"^x": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {"type": "integer"}}}]},
+         {"patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}, "the-same-pattern-merged"),
+    case({"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
+         {"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"], "properties": {"x": {}}}]},
+         "required-unlisted-and-forbidden-left"),
 ]
 
 REFS = [
@@ -370,6 +385,20 @@ A_CASE = {"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "requ
 BC_CASE = {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}
 
 IF_THEN_CASES = [
+    # A case contradicting the node's own keywords (x an integer, then a string): left as written, not an anyOf
+    # beside keywords xgrammar would drop.
+    case({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}},
+          "required": ["kind", "x"], "if": {"properties": {"kind": {"const": "a"}}},
+          "then": {"properties": {"x": {"type": "string"}}}},
+         {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}},
+          "required": ["kind", "x"], "if": {"properties": {"kind": {"const": "a"}}},
+          "then": {"properties": {"x": {"type": "string"}}}}, "a-case-contradicting-the-node-left"),
+    case({"type": "object", "properties": {"kind": {"enum": ["c", "a"]}}, "required": ["kind", "x"],
+          "if": {"properties": {"kind": {"const": "a"}}},
+          "then": {"properties": {"kind": {}}, "additionalProperties": False}},
+         {"type": "object", "properties": {"kind": {"enum": ["c", "a"]}, "x": {}}, "required": ["kind", "x"],
+          "if": {"properties": {"kind": {"const": "a"}}},
+          "then": {"properties": {"kind": {}}, "additionalProperties": False}}, "a-case-forbidding-a-required-name-left"),
     case({**K_ABC, "allOf": [IF_K, {"if": {"properties": {"k": {"const": "b"}}, "required": ["k"]},
                                     "then": {"required": ["y"]}, "else": {"maxProperties": 2}}]},
          {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "required": ["k", "x"],
@@ -389,7 +418,7 @@ IF_THEN_CASES = [
     case({"type": "object", "properties": {"k": {"const": "s3"}}, "required": ["k"], "title": "T",
           "allOf": [{"$ref": "#/definitions/min"}, IF_K | {"if": {"properties": {"k": {"const": "s3"}}}}],
           "definitions": {"min": {"minProperties": 1}}},
-         {"type": "object", "properties": {"k": {"const": "s3", "enum": ["s3"]}, "x": {}}, "required": ["k", "x"],
+         {"type": "object", "properties": {"k": {"const": "s3"}, "x": {}}, "required": ["k", "x"],
           "title": "T", "minProperties": 1, "definitions": {"min": {"minProperties": 1}}},
          "one-case-merged-with-the-other-parts"),
     case({"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "allOf": [IF_K]},
@@ -598,6 +627,10 @@ PATTERN_LENGTHS = [
 ]
 
 ENUM_TYPES = [
+    # xgrammar enforces one of a const and an enum on one node: the const alone where the enum allows it.
+    case({"allOf": [{"enum": ["a", "b"]}, {"const": "a"}]}, {"const": "a"}, "a-const-the-enum-allows"),
+    case({"allOf": [{"enum": [1]}, {"const": "a"}]}, {"allOf": [{"enum": [1]}, {"const": "a"}]},
+         "a-const-the-enum-does-not-allow-left"),
     case({"type": "integer", "enum": [1, 1.0, 1.5, "1", True, None]}, {"type": "integer", "enum": [1, 1.0]},
          "integer"),
     case({"type": "number", "enum": [1, 1.5, "x", False]}, {"type": "number", "enum": [1, 1.5]}, "number"),

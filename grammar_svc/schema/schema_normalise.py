@@ -41,12 +41,16 @@ one narrows the schema: a document without the property, which the schema
 accepts when exactly one branch matches it, is not written. Where its
 branches are closed objects (`additionalProperties: false`) no property name
 of which is another's, the one document two can share is `{}`, and the
-branches that accept it get `minProperties: 1` (exact). Any other `oneOf`
+branches that may accept it get `minProperties: 1` (narrower where a branch
+rejects `{}` for another reason). Any other `oneOf`
 stays `anyOf` to the grammars (the output check reports a document matching
 two branches).
 
 A merge this module cannot do exactly (two different `pattern`s, two
-`anyOf`s, a `$ref` cycle) leaves that node as it was: never a looser schema.
+`anyOf`s, a `$ref` cycle, one part's `patternProperties` beside the other's
+`additionalProperties`, a `const` the other part's `enum` does not allow)
+leaves that node as it was: never a looser schema. An `if`/`then` case that
+cannot be merged with the node's own keywords leaves the node as written too.
 The one exception are keywords xgrammar ignores anyway (`if`/`then`/`else`,
 `not`, `dependencies`...): where two parts of an `allOf` disagree on one, the
 first part's stays, so the rest of the merge still constrains the grammar
@@ -328,8 +332,13 @@ class _Normaliser:
                 branch: Any = {"properties": {name: {"enum": vs}}}
                 for c, holds in zip(conditionals, applied):
                     branch = self.merge(branch, c.get("then" if holds else "else", True))
-                branches.append(branch)
-            return self.merge(merged, branches[0]) if len(branches) == 1 else {**merged, "anyOf": branches}
+                # Each branch whole (the node's own keywords merged in): an anyOf left beside keywords its
+                # branches contradict would lose them to xgrammar, which drops what sits beside an anyOf.
+                whole = self.merge(self._copy(merged), branch)
+                branches.append(self._shape(whole) if isinstance(whole, dict) else whole)
+            if len(branches) == 1:
+                return branches[0]
+            return {**{k: v for k, v in merged.items() if k in _ANNOTATIONS}, "anyOf": branches}
         except _CannotMerge:
             return node  # left as it was: the allOf merge below, and xgrammar ignores `if`
 
@@ -377,6 +386,11 @@ class _Normaliser:
             else:
                 out[key] = self._merge_keyword(key, out[key], bv)
         _apply_additional_properties(out, a, b, self.merge)
+        if "const" in out and "enum" in out:
+            # xgrammar enforces one of the two: the const alone, where the enum allows it.
+            if not isinstance(out["enum"], list) or json_key(out["const"]) not in {json_key(v) for v in out["enum"]}:
+                raise _CannotMerge("a const the enum does not allow")
+            del out["enum"]
         return out
 
     def _merge_keyword(self, key: str, av: Any, bv: Any) -> Any:
@@ -475,7 +489,8 @@ def _one_of_told_apart(node: dict) -> dict:
 
 def _closed_branches_told_apart(node: dict) -> dict:
     """Closed object branches no name of which is another's: the one document two may share is `{}`, invalid
-    where two accept it, so each that does gets `minProperties: 1` (exact)."""
+    where two accept it, so each that may (nothing it requires says otherwise) gets `minProperties: 1`: exact, or
+    narrower where a branch rejects `{}` for another reason (a `const`, say)."""
     branches = node["oneOf"]
     if not all(b.get("additionalProperties") is False and not b.get("patternProperties") for b in branches):
         return node
@@ -542,6 +557,21 @@ def _false_properties_unlisted(node: dict) -> dict:
 
 def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
     """Each part's `additionalProperties` also governs the other part's properties (allOf semantics)."""
+    for part, other in ((a, b), (b, a)):
+        extra = part.get("additionalProperties", True)
+        if extra is True:
+            continue
+        patterns = part.get("patternProperties", {})
+        theirs = other.get("patternProperties")
+        if isinstance(theirs, dict) and any(not isinstance(patterns, dict) or p not in patterns for p in theirs):
+            # Names the other part's patterns admit are this part's additional properties: one node would let
+            # them past this part's additionalProperties, and no schema keyword writes that condition.
+            raise _CannotMerge("patternProperties beside the other part's additionalProperties")
+        required = out.get("required", [])
+        own = part.get("properties") or {}
+        if extra is False and isinstance(required, list) and any(
+                isinstance(n, str) and n not in own and not _may_match(patterns, n) for n in required):
+            raise _CannotMerge("a required property the other part forbids")  # the two match nothing
     props = out.get("properties")
     if not isinstance(props, dict):
         return
