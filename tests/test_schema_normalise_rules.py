@@ -236,15 +236,27 @@ ADDITIONAL_PROPERTIES = [
                     {"properties": {"y": {"type": "integer"}}}]}, "other-name-contradicts-the-schema-left"),
     case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
          {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
-    # A pattern of one part names properties the other's additionalProperties governs: one node would let them
-    # past it ({"kind": 1, "x": 1} valid), and no keyword says "additional unless the other part's pattern".
+    # A pattern of one part names properties the other's additionalProperties governs too: the pattern's schema
+    # meets it (false: the names are forbidden), not a node that lets them past it ({"kind": 1, "x": 1}).
     case({"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
                     {"patternProperties": {"^x": {"type": "integer"}}}]},
+         {"properties": {"kind": {}}, "additionalProperties": False, "patternProperties": {}},
+         "the-others-pattern-beside-false-goes"),
+    case({"allOf": [{"properties": {"xa": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {"type": "integer"}}}]},
+         {"allOf": [{"properties": {"xa": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {"type": "integer"}}}]}, "a-listed-name-it-matches-left"),
+    case({"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
+                    {"patternProperties": {"x+": {"type": "integer"}}}]},
          {"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
-                    {"patternProperties": {"^x": {"type": "integer"}}}]}, "the-others-pattern-beside-false-left"),
-    case({"allOf": [{"additionalProperties": {"type": "string"}}, {"patternProperties": {"^x": {"type": "integer"}}}]},
-         {"allOf": [{"additionalProperties": {"type": "string"}}, {"patternProperties": {"^x": {"type": "integer"}}}]},
-         "the-others-pattern-beside-a-schema-left"),
+                    {"patternProperties": {"x+": {"type": "integer"}}}]}, "a-regex-that-may-match-a-listed-name-left"),
+    case({"allOf": [{"patternProperties": {"^y": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {}}}]},
+         {"allOf": [{"patternProperties": {"^y": {}}, "additionalProperties": False},
+                    {"patternProperties": {"^x": {}}}]}, "beside-the-parts-own-patterns-left"),
+    case({"allOf": [{"additionalProperties": {"type": "string"}}, {"patternProperties": {"^x": {"maxLength": 3}}}]},
+         {"additionalProperties": {"type": "string"}, "patternProperties": {"^x": {"maxLength": 3, "type": "string"}}},
+         "the-others-pattern-meets-the-schema"),
     case({"allOf": [{"patternProperties": {"^x": {}}, "additionalProperties": False},
                     {"patternProperties": {"^x": {"type": "integer"}}}]},
          {"patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}, "the-same-pattern-merged"),
@@ -629,8 +641,7 @@ PATTERN_LENGTHS = [
 ENUM_TYPES = [
     # xgrammar enforces one of a const and an enum on one node: the const alone where the enum allows it.
     case({"allOf": [{"enum": ["a", "b"]}, {"const": "a"}]}, {"const": "a"}, "a-const-the-enum-allows"),
-    case({"allOf": [{"enum": [1]}, {"const": "a"}]}, {"allOf": [{"enum": [1]}, {"const": "a"}]},
-         "a-const-the-enum-does-not-allow-left"),
+    case({"allOf": [{"enum": [1]}, {"const": "a"}]}, {"enum": [1], "const": "a"}, "a-const-the-enum-does-not-allow"),
     case({"type": "integer", "enum": [1, 1.0, 1.5, "1", True, None]}, {"type": "integer", "enum": [1, 1.0]},
          "integer"),
     case({"type": "number", "enum": [1, 1.5, "x", False]}, {"type": "number", "enum": [1, 1.5]}, "number"),

@@ -47,9 +47,12 @@ stays `anyOf` to the grammars (the output check reports a document matching
 two branches).
 
 A merge this module cannot do exactly (two different `pattern`s, two
-`anyOf`s, a `$ref` cycle, one part's `patternProperties` beside the other's
-`additionalProperties`, a `const` the other part's `enum` does not allow)
-leaves that node as it was: never a looser schema. An `if`/`then` case that
+`anyOf`s, a `$ref` cycle) leaves that node as it was: never a looser schema.
+One part's `patternProperties` beside the other's `additionalProperties`:
+the pattern's schema meets that `additionalProperties` (narrower for names
+the other part lists), and beside `false` the pattern goes (the names it
+admits are forbidden) unless a name the other part lists or admits may
+match it (then the node is left as it was). An `if`/`then` case that
 cannot be merged with the node's own keywords leaves the node as written too.
 The one exception are keywords xgrammar ignores anyway (`if`/`then`/`else`,
 `not`, `dependencies`...): where two parts of an `allOf` disagree on one, the
@@ -386,11 +389,9 @@ class _Normaliser:
             else:
                 out[key] = self._merge_keyword(key, out[key], bv)
         _apply_additional_properties(out, a, b, self.merge)
-        if "const" in out and "enum" in out:
-            # xgrammar enforces one of the two: the const alone, where the enum allows it.
-            if not isinstance(out["enum"], list) or json_key(out["const"]) not in {json_key(v) for v in out["enum"]}:
-                raise _CannotMerge("a const the enum does not allow")
-            del out["enum"]
+        if "const" in out and isinstance(out.get("enum"), list) and \
+                json_key(out["const"]) in {json_key(v) for v in out["enum"]}:
+            del out["enum"]  # xgrammar enforces one of the two: the const alone says both
         return out
 
     def _merge_keyword(self, key: str, av: Any, bv: Any) -> Any:
@@ -563,10 +564,22 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
             continue
         patterns = part.get("patternProperties", {})
         theirs = other.get("patternProperties")
-        if isinstance(theirs, dict) and any(not isinstance(patterns, dict) or p not in patterns for p in theirs):
-            # Names the other part's patterns admit are this part's additional properties: one node would let
-            # them past this part's additionalProperties, and no schema keyword writes that condition.
-            raise _CannotMerge("patternProperties beside the other part's additionalProperties")
+        merged = out.get("patternProperties")
+        if isinstance(theirs, dict) and isinstance(merged, dict):
+            # A name the other part's pattern admits is one of this part's additional properties too (unless
+            # this part lists it, or its own pattern admits it).
+            fresh = [q for q in theirs if not isinstance(patterns, dict) or q not in patterns]
+            if fresh:
+                merged = out["patternProperties"] = dict(merged)
+                for q in fresh:
+                    if extra is not False:
+                        merged[q] = merge(merged[q], extra)  # the pattern's schema meets it (narrower for those)
+                    elif patterns or any(_may_match({q: {}}, n) for n in part.get("properties") or {}):
+                        # A name this part lists or admits may match it: forbidding the pattern would forbid
+                        # it (xgrammar refuses a `false` pattern anyway), keeping it would let the others past.
+                        raise _CannotMerge("patternProperties beside the other part's additionalProperties")
+                    else:
+                        del merged[q]  # every name it admits is forbidden: additionalProperties false says so
         required = out.get("required", [])
         own = part.get("properties") or {}
         if extra is False and isinstance(required, list) and any(
