@@ -347,6 +347,9 @@ def test_ban_over_rows_listed_out_of_order_with_bans_of_different_lengths():
                           [5.0, 4.0, 3.0, 2.0, 1.0], [1.0, NEG_INF, 0.5, NEG_INF, NEG_INF]]
     sampling.ban_rows_unless_only(x, [], [])  # no row: nothing to do
     assert x[2].tolist() == [5.0, 4.0, 3.0, 2.0, 1.0]
+    y = torch.tensor([[0.0, 1.0, 2.0], [NEG_INF, 1.0, NEG_INF]])
+    sampling.ban_rows_unless_only(y, [1], [np.array([1])])  # whether the listed row, not row 0, is left empty
+    assert y.tolist() == [[0.0, 1.0, 2.0], [NEG_INF, 1.0, NEG_INF]]
 
 
 # ---------------------------------------------------------------- greedy
