@@ -171,12 +171,27 @@ def _write_cached(path: Path, desc: TokenizerDescription) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
             tmp = f.name
             f.write(_MAGIC + header.encode("utf-8") + b"\n" + info_z + hf_z)
+        # NamedTemporaryFile makes it 0600 whatever the umask: others sharing the cache folder could not read it.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except OSError as e:  # the cache directory's (read-only, full): the description serves this process uncached
         log.warning("tokenizer description not cached in %s: %s", path.parent, e)
         if tmp is not None:
             with contextlib.suppress(OSError):  # the cache directory's: the partial file is gone already
                 os.unlink(tmp)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it: another thread's file made meanwhile would
+    get the temporary one)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):  # not Linux, or no procfs: the common default
+        pass
+    return 0o022
 
 
 @functools.lru_cache(maxsize=1)

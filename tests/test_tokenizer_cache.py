@@ -117,3 +117,18 @@ def test_the_cache_lives_beside_the_embedded_model(tmp_path, monkeypatch):
     assert shared_tokenizer.description_cache_dir(tmp_path) == tmp_path / "tokenizers"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert shared_tokenizer.description_cache_dir() == default_cache_root() / "tokenizers"
+
+
+def test_the_cache_file_is_readable_by_whoever_shares_the_folder(tok, tmp_path):
+    """Written as the umask allows (not a temporary file's 0600): another user of a shared cache folder reads it."""
+    import os
+    import stat
+
+    cache = tmp_path / "shared-cache"
+    old = os.umask(0o022)
+    try:
+        describe(tok, len(tok), cache_dir=cache)
+    finally:
+        os.umask(old)
+    (written,) = [p for p in cache.rglob("*") if p.is_file()]
+    assert stat.S_IMODE(written.stat().st_mode) == 0o644
