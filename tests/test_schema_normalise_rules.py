@@ -397,6 +397,9 @@ A_CASE = {"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "requ
 BC_CASE = {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}
 
 IF_THEN_CASES = [
+    # The node's annotations ($defs among them) stay once, at the node, not copied into every case.
+    case({**K_ABC, "title": "T", "$defs": {"d": {"type": "string"}}, "allOf": [IF_K]},
+         {"title": "T", "$defs": {"d": {"type": "string"}}, "anyOf": [A_CASE, BC_CASE]}, "annotations-once-at-the-node"),
     # A case contradicting the node's own keywords (x an integer, then a string): left as written, not an anyOf
     # beside keywords xgrammar would drop.
     case({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}},

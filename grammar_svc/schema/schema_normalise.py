@@ -330,6 +330,8 @@ class _Normaliser:
             for v in values:
                 applied = tuple(_holds(c["if"], name, v) for c in conditionals)
                 cases.setdefault(applied, []).append(v)
+            notes = {k: v for k, v in merged.items() if k in _ANNOTATIONS}  # $defs among them: once, at the node
+            own_keywords = {k: v for k, v in merged.items() if k not in _ANNOTATIONS}
             branches = []
             for applied, vs in cases.items():
                 branch: Any = {"properties": {name: {"enum": vs}}}
@@ -337,11 +339,11 @@ class _Normaliser:
                     branch = self.merge(branch, c.get("then" if holds else "else", True))
                 # Each branch whole (the node's own keywords merged in): an anyOf left beside keywords its
                 # branches contradict would lose them to xgrammar, which drops what sits beside an anyOf.
-                whole = self.merge(self._copy(merged), branch)
+                whole = self.merge(self._copy(own_keywords), branch)
                 branches.append(self._shape(whole) if isinstance(whole, dict) else whole)
             if len(branches) == 1:
-                return branches[0]
-            return {**{k: v for k, v in merged.items() if k in _ANNOTATIONS}, "anyOf": branches}
+                return {**branches[0], **notes} if isinstance(branches[0], dict) else branches[0]
+            return {**notes, "anyOf": branches}
         except _CannotMerge:
             return node  # left as it was: the allOf merge below, and xgrammar ignores `if`
 
