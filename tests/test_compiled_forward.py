@@ -7,12 +7,13 @@ near half a minute on 2 cores, and steps above it exercise the eager fallback.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
 
 from inference_svc.config import bucket_sizes
-from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, inductor_mode
+from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, adopt_cudagraph_state, inductor_mode
 from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
@@ -198,3 +199,33 @@ def test_the_model_loads_on_the_thread_that_runs_its_forwards(inference_server):
     engine = inference_server.server.engine
     forward_thread = engine._executor.submit(lambda: threading.current_thread().name).result(30)
     assert inference_server.server.stack.loaded_on == forward_thread
+
+
+def test_a_thread_that_did_not_import_cudagraph_trees_gets_its_own_state():
+    """adopt_cudagraph_state on a thread with no CUDA graph trees state gives it one of its own (what torch
+    2.13's get_obj does on first use, and what torch 2.11's asserts is there: the first GPU run's compiled
+    servers failed their warm-up on it); a thread that has state keeps it."""
+    from torch._inductor import cudagraph_trees
+
+    def state():
+        has = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        return has or torch._C._is_key_in_tls("tree_manager_containers"), (
+            cudagraph_trees.local.tree_manager_containers if has else None)
+
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = state()[0]
+        adopt_cudagraph_state()
+        seen["after"], first = state()
+        adopt_cudagraph_state()
+        seen["kept"] = state()[1] is first
+        seen["in_tls"] = torch._C._get_obj_in_tls("tree_manager_containers") is first
+        seen["containers"] = first
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert seen == {"before": False, "after": True, "kept": True, "in_tls": True, "containers": seen["containers"]}
+    # Its own: not the importing thread's (whose graphs it would otherwise record into from another thread).
+    assert seen["containers"] is not cudagraph_trees.local.__dict__.get("tree_manager_containers", object())

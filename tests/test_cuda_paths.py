@@ -610,11 +610,14 @@ def test_sparse_head_gives_the_full_heads_output_on_cuda(cuda_server, cuda_full_
     assert_same_logprobs(got.logprobs, want.logprobs, atol=1e-4)
 
 
-def test_sparse_head_steps_ran_on_cuda(cuda_server):
+def test_sparse_head_steps_ran_on_cuda_where_its_columns_are_exact(cuda_server):
+    """A choice's few allowed ids take the sparse head where the start-up check found cuBLAS's column form
+    bitwise the full head's, and never where it did not (the first H200 run: not bitwise, sparse head off)."""
     srv, client = cuda_server
     before = srv.server.metrics.lm_head_steps.labels("sparse")._value.get()
     client.complete("Pick:", max_tokens=8, choice=["alpha", "beta"], temperature=1.0, seed=1, timeout=120)
-    assert srv.server.metrics.lm_head_steps.labels("sparse")._value.get() > before
+    ran = srv.server.metrics.lm_head_steps.labels("sparse")._value.get() > before
+    assert ran == srv.server.stack.runner.lm_head.exact_columns
 
 
 def test_engine_core_process_serves_concurrent_constrained_requests_on_cuda(cuda_server, cuda_core):

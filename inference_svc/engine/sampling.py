@@ -746,7 +746,7 @@ def _min_p_widths(x: torch.Tensor, opts: list[SamplingOptions], wants: list[int]
     peak = sub.amax(1, keepdim=True)
     drop = torch.tensor([opts[r].temperature * math.log(opts[r].min_p) for r in rows], dtype=torch.float64,
                         device=x.device).unsqueeze(1)
-    cutoff = torch.nextafter((peak.double() + drop).to(x.dtype), torch.tensor(float("-inf"), dtype=x.dtype))
+    cutoff = torch.nextafter((peak.double() + drop).to(x.dtype), torch.full_like(peak, float("-inf")))
     counts = torch.where(torch.isfinite(peak), (sub >= cutoff).sum(1, keepdim=True), 0).squeeze(1).tolist()
     out = list(wants)
     for r, c in zip(rows, counts):

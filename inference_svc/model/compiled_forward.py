@@ -84,6 +84,26 @@ def check_graph_partition(inductor_mode_name: str | None) -> None:
             "with one step's KV slots; use --compile off, or a torch with graph partitioning on")
 
 
+def adopt_cudagraph_state() -> None:
+    """Gives the calling thread its own CUDA graph trees state (one tree manager per device) if it has none.
+
+    cudagraph_trees sets that state up for the thread that imports it (and threads autograd starts); torch
+    2.13 sets it up for any other thread on first use, but older releases (2.11, a GPU image's) assert
+    there instead, so a server whose device thread was not the importer (a second server in one process, or
+    torch imported elsewhere first) failed its warm-up. Setting it up here is what torch 2.13 does itself."""
+    from collections import defaultdict
+
+    from torch._inductor import cudagraph_trees
+
+    local = cudagraph_trees.local
+    if hasattr(local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
+
+
 # The step being run by the compiled body: (context, real token count). Module state rather than a graph
 # input, so the compiled graph neither traces nor guards on it; only the engine's forward thread sets it.
 _step = threading.local()
@@ -206,6 +226,8 @@ class CompiledBody:
         say(f"compiling the model body ({self.settings.mode}) for {len(self.buckets)} token buckets "
             f"{list(self.buckets)}, cache {self.settings.cache_dir}")
         self._warmed_on = threading.current_thread()
+        if self._graphs:
+            adopt_cudagraph_state()
         # Under CUDA graphs a bucket's first run is cudagraph trees' warm-up and its second records the graph:
         # two runs here, so no request pays for a recording.
         runs = 2 if self._graphs else 1
