@@ -263,6 +263,9 @@ ADDITIONAL_PROPERTIES = [
     case({"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
          {"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"], "properties": {"x": {}}}]},
          "required-unlisted-and-forbidden-left"),
+    case({"allOf": [{"required": ["x-a"]}, {"patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False}]},
+         {"required": ["x-a"], "properties": {"x-a": {}}, "patternProperties": {"^x-": {"type": "string"}},
+          "additionalProperties": False}, "a-required-name-its-pattern-admits"),
 ]
 
 REFS = [
@@ -358,6 +361,22 @@ REFS = [
           "anyOf": [{"$ref": "#/definitions/s"}, {"maxLength": 0}]},
          {"definitions": {"s": {"type": "string"}}, "anyOf": [{"type": "string"}, {"type": "string", "maxLength": 0}]},
          "ref-branch-resolved"),
+    # A `$ref` to `true` or `false` met inside a merge (a property both parts name, an anyOf's sibling): merged as
+    # that schema (it raised TypeError: a boolean read as an object).
+    case({"definitions": {"t": True},
+          "allOf": [{"properties": {"p": {"$ref": "#/definitions/t"}}}, {"properties": {"p": {"maxLength": 3}}}]},
+         {"definitions": {"t": True}, "properties": {"p": {"maxLength": 3}}}, "ref-to-true-inside-a-merged-property"),
+    case({"definitions": {"t": True},
+          "allOf": [{"properties": {"p": {"maxLength": 3}}}, {"properties": {"p": {"$ref": "#/definitions/t"}}}]},
+         {"definitions": {"t": True}, "properties": {"p": {"maxLength": 3}}},
+         "ref-to-true-second-inside-a-merged-property"),
+    case({"definitions": {"f": False},
+          "allOf": [{"properties": {"p": {"$ref": "#/definitions/f"}}}, {"properties": {"p": {"maxLength": 3}}}]},
+         {"definitions": {"f": False},
+          "allOf": [{"properties": {"p": {"$ref": "#/definitions/f"}}}, {"properties": {"p": {"maxLength": 3}}}]},
+         "ref-to-false-inside-a-merged-property-left"),
+    case({"$ref": "#/definitions/t", "anyOf": [{"type": "string"}, {"type": "null"}], "definitions": {"t": True}},
+         {"definitions": {"t": True}, "anyOf": [{"type": "string"}, {"type": "null"}]}, "ref-to-true-beside-an-any-of"),
 ]
 
 DISTRIBUTE = [
@@ -474,6 +493,11 @@ IF_THEN_CASES = [
     case({**K_ABC, "allOf": [{"if": {"properties": {"k": {"const": "a"}}, "required": "k"}, "then": {"maxProperties": 1}}]},
          {**K_ABC, "if": {"properties": {"k": {"const": "a"}}, "required": "k"}, "then": {"maxProperties": 1}},
          "if-required-not-a-list-left"),
+    # Each case shaped whole: a name the node requires is listed in every case, as in the node it replaces.
+    case({**K_ABC, "required": ["k", "n"], "allOf": [IF_K]},
+         {"anyOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}, "n": {}}, "required": ["k", "n", "x"]},
+                    {"type": "object", "properties": {"k": {"enum": ["b", "c"]}, "n": {}}, "required": ["k", "n"]}]},
+         "each-case-shaped"),
 ]
 
 CLOSED = {"additionalProperties": False}

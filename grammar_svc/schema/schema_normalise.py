@@ -379,6 +379,8 @@ class _Normaliser:
         if a is False or b is False or not isinstance(a, dict) or not isinstance(b, dict):
             raise _CannotMerge("false or not a schema")
         a, b = self._resolved(a, ()), self._resolved(b, ())
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            return self.merge(a, b)  # a `$ref` to `true` or `false`: merged as that schema
         if "allOf" in a or "allOf" in b:
             raise _CannotMerge("an allOf that could not be merged itself")  # parts arrive normalised
         self._spend()
