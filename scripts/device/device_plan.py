@@ -9,8 +9,14 @@ drops or renames fails `make test` rather than the next rare GPU run.
 
 Budgets are seconds of the whole run's (the issue's 8 minutes): a step may
 also use what the steps before it left unused, never what the steps after it
-were given (scripts/device/check's `step_timeout`). They are guesses until
-the first GPU run says how long each step takes there.
+were given (scripts/device/check's `step_timeout`). They come from the first
+GPU run (H200, 2026-11-27), where a plan whose guesses summed to 480 s ran out
+after its first model run: setup, correctness and the 0.5B shape fit one call;
+the 8B shape (`--only large`) and the host path (`--only host`) are each a
+second call's work, run by the default call only with time to spare. Within a
+phase the steps go most telling first (the compiled body is what `--compile
+auto` serves on CUDA; eager and four grammar replicas after), so what a short
+run cuts is what matters least.
 """
 
 from __future__ import annotations
@@ -57,10 +63,13 @@ PHASES = (
           "cuda:N (greedy and logprobs as the CPU's, ids past the embedding refused, compiled with the KV cache "
           "sized from the device), sparse vs full head, the engine-core process end to end, --tp 2 on two GPUs"),
     Phase("realistic", "Realistic shapes",
-          "one layer's decode attention, SDPA vs Triton's paged kernel (`structd bench attention`); "
-          "random-weight Llama configs on the 129k tokenizer through `structd bench e2e` (eager, then compiled "
-          "with one or two buckets), 1/32/128 concurrent, 1 and 4 grammar replicas; transformers + xgrammar on "
+          "one layer's decode attention, SDPA vs Triton's paged kernel (`structd bench attention`); a "
+          "random-weight 0.5B Llama config on the 129k tokenizer through `structd bench e2e` (compiled with two "
+          "buckets, then eager with 1 and 4 grammar replicas), 1/32/128 concurrent; transformers + xgrammar on "
           "the same GPU and shape (scripts/device/hf_peer.py) at 1 and 32"),
+    Phase("large", "The 8B shape",
+          "the same for a random-weight 8B Llama config: compiled (one bucket), transformers + xgrammar, eager "
+          "with 1 grammar replica"),
     Phase("host", "Host path",
           "the simulated 2 ms and 5 ms runners at N = 32, 64 with 1 and 2 grammar replicas; the grammar "
           "replica's round trip at 32/128/256 sessions with 1, 4 and 8 fill threads"),
@@ -90,7 +99,7 @@ class Sizes:
     dtype: str
     device: str
     concurrency: str
-    replicas: tuple[int, ...]
+    replicas: dict  # shape -> grammar replica counts of its eager runs
     max_tokens: int
     requests: int
     waves: int
@@ -108,18 +117,22 @@ class Sizes:
     budgets: dict  # step name prefix -> seconds
 
 
-GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency="1,32,128", replicas=(1, 4),
-            max_tokens=32, requests=8, waves=1, peer_concurrency="1,32", compiled={"0.5b": "32,128", "8b": "128"},
+# Measured on the first run (H200): versions 9 s, pytest 136 s (its compiled servers failing at once),
+# attention 16 s, build-0.5b 20 s, build-8b 32 s, 0.5b eager with 1 replica 93 s at 8 requests (N = 1 runs
+# them one by one, at a 36 ms eager forward: 4 requests halve that part). A budget of 0: only with time to spare.
+GPU = Sizes(shapes=("0.5b", "8b"), dtype="bfloat16", device="cuda", concurrency="1,32,128",
+            replicas={"0.5b": (1, 4), "8b": (1,)}, max_tokens=32, requests=4, waves=1, peer_concurrency="1,32",
+            compiled={"0.5b": "32,128", "8b": "128"},
             sims="sim2,sim5", sim_concurrency="32,64", sim_replicas=(1, 2), sim_requests=32, sim_waves=2,
             grammar_batches="32,128,256", grammar_steps=100, grammar_limit=32, fill_threads=(1, 4, 8),
-            budgets={"versions": 20, "pytest": 110, "build-0.5b": 15, "e2e-0.5b-eager-g1": 35,
-                     "e2e-0.5b-eager": 25, "peer-0.5b": 12, "build-8b": 35, "e2e-8b-eager-g1": 40,
-                     "e2e-8b-eager": 15, "peer-8b": 18, "attention": 15, "e2e-0.5b-compiled": 30, "e2e-8b-compiled": 0,
-                     "e2e-sim": 28, "grammar": 16})
+            budgets={"versions": 20, "pytest": 170, "attention": 20, "build-0.5b": 25, "e2e-0.5b-compiled": 120,
+                     "peer-0.5b": 45, "e2e-0.5b-eager-g1": 70, "e2e-0.5b-eager-g4": 0,
+                     "build-8b": 35, "e2e-8b-compiled": 120, "peer-8b": 60, "e2e-8b-eager": 0,
+                     "e2e-sim": 30, "grammar": 16})
 # The smoke runs no simulated-runner e2e step: the tiny model's e2e step runs `structd bench e2e` out of
 # process, tests/test_bench_e2e.py runs the simulated runners, and tests/test_device_check.py parses every
 # structd step's flags of the GPU plan, the sims' included.
-SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas=(1,),
+SMOKE = Sizes(shapes=("tiny",), dtype="float32", device="cpu", concurrency="2", replicas={"tiny": (1,)},
               max_tokens=4, requests=2, waves=1, peer_concurrency="2", compiled={}, sims="sim2", sim_concurrency="2",
               sim_replicas=(), sim_requests=2, sim_waves=1, grammar_batches="2", grammar_steps=3, grammar_limit=2,
               fill_threads=(1,),
@@ -180,28 +193,30 @@ def plan(*, smoke: bool, repo: Path, work: Path, model_root: Path, schemas: Path
                    "--reps", "2"] if smoke else [])),
         kind="attention", skip=no_gpu, label="decode attention, SDPA vs Triton's paged kernel")
     for shape in sizes.shapes:
-        add("realistic", f"build-{shape}",
+        # The first shape is the realistic phase's, any larger one the large phase's (a call of its own).
+        phase = "realistic" if shape == sizes.shapes[0] else "large"
+        add(phase, f"build-{shape}",
             [*python(), str(repo / "scripts" / "device" / "random_llama.py"), "--shape", shape, "--dtype", sizes.dtype,
              "--device", sizes.device, "--out", str(model_root / f"llama-{shape}")], kind="build", skip=no_gpu,
             label=f"{shape}: random {sizes.dtype} weights")
-        # One bench run per replica count: a run cut off by its budget loses only its own count's figures.
-        for replicas in sizes.replicas:
-            add("realistic", f"e2e-{shape}-eager-g{replicas}",
-                structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-eager-g{replicas}"), "--runners", "model",
-                        "--grammar-replicas", str(replicas), *e2e_common),
-                env=e2e_env(shape, None), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
-                label=f"{shape} eager, {replicas} grammar replica(s)")
-        add("realistic", f"peer-{shape}",
+        if shape in sizes.compiled:
+            add(phase, f"e2e-{shape}-compiled",
+                structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-compiled"), "--runners", "model",
+                        "--grammar-replicas", "1", *e2e_common),
+                env=e2e_env(shape, sizes.compiled[shape]), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
+                label=f"{shape} compiled, buckets {sizes.compiled[shape]}")
+        add(phase, f"peer-{shape}",
             [*python(), str(repo / "scripts" / "device" / "hf_peer.py"), "--model", str(model_root / f"llama-{shape}"),
              "--device", sizes.device, "--dtype", sizes.dtype, "--concurrency", sizes.peer_concurrency,
              "--max-tokens", str(sizes.max_tokens), "--out", str(work / f"peer-{shape}")],
             kind="peer", needs=f"build-{shape}", skip=no_gpu, label=f"{shape}: transformers + xgrammar")
-    for shape, buckets in sizes.compiled.items():
-        add("realistic", f"e2e-{shape}-compiled",
-            structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-compiled"), "--runners", "model",
-                    "--grammar-replicas", "1", *e2e_common),
-            env=e2e_env(shape, buckets), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
-            label=f"{shape} compiled, buckets {buckets}")
+        # One bench run per replica count: a run cut off by its budget loses only its own count's figures.
+        for replicas in sizes.replicas[shape]:
+            add(phase, f"e2e-{shape}-eager-g{replicas}",
+                structd("bench", "e2e", "--out", str(work / f"e2e-{shape}-eager-g{replicas}"), "--runners", "model",
+                        "--grammar-replicas", str(replicas), *e2e_common),
+                env=e2e_env(shape, None), kind="e2e", needs=f"build-{shape}", skip=no_gpu,
+                label=f"{shape} eager, {replicas} grammar replica(s)")
 
     for replicas in sizes.sim_replicas:
         add("host", f"e2e-sim-g{replicas}",
