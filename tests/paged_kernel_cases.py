@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -38,7 +39,13 @@ CASES = {
     "decode-mha-3-heads": ([1, 1], [9, 33], 3, 3, 4, "float32"),
     # A chunk over cached context longer than KERNEL_MAX_QUERY goes to SDPA beside the kernel's decode.
     "long-extend-beside-a-decode": ([20, 1], [6, 11], 4, 2, 4, "float32"),
+    # Split context (SPLITS below): parts past a short context are empty; parts not a whole number of tiles.
+    "decode-split-context": ([1, 1, 1], [700, 70, 5], 4, 2, 16, "float32"),
+    "extend-split-context-bf16": ([3, 1], [400, 90], 8, 2, 16, "bfloat16"),
+    "decode-split-uneven-parts": ([1, 1], [129, 40], 14, 2, 4, "float32", 24),
 }
+# Cases run with the kernel's context split into this many parts (the CPU's own choice is 1).
+SPLITS = {"decode-split-context": 4, "extend-split-context-bf16": 3, "decode-split-uneven-parts": 7}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
 HEAD_DIM = 16
 
@@ -71,6 +78,8 @@ def run_case(case_id: str, device: str, seed: int = 0) -> float:
         ctx = PagedAttentionContext.build(cache, query_lens, context_lens, tables, torch.device(device),
                                           paged_kernel=kernel)
         assert (ctx.kernel is not None) == kernel  # every case has rows for the kernel
+        if kernel and case_id in SPLITS:
+            ctx = replace(ctx, kernel=replace(ctx.kernel, splits=SPLITS[case_id]))
         out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=head_dim**-0.5,
                                          **{CONTEXT_KWARG: ctx})
         outs.append(out.float())

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from inference_svc.model.attention import KERNEL_MAX_QUERY, PagedAttentionContext
-from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend, triton_unavailable
+from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend, split_count, triton_unavailable
 from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 from tests.conftest import inference_config, untestable_here
 from tests.paged_kernel_cases import CASES
@@ -63,6 +63,18 @@ def on_cuda():
 def test_the_compiled_kernel_equals_sdpa_on_cuda(on_cuda, case):
     result = on_cuda[case]
     assert result["error"] <= result["tolerance"], result
+
+
+@pytest.mark.parametrize("programs, longest, target, want", [
+    pytest.param(2, 8192, 264, 32, id="one-sequence-long-context-capped"),
+    pytest.param(2, 2048, 264, 8, id="one-sequence-parts-of-256-keys"),
+    pytest.param(64, 8192, 264, 5, id="a-few-sequences-fill-the-device"),
+    pytest.param(264, 8192, 264, 1, id="the-step-fills-the-device"),
+    pytest.param(2, 511, 264, 1, id="too-short-to-split"),
+    pytest.param(2, 512, 264, 2, id="two-parts-of-256"),
+])
+def test_the_context_is_split_only_where_the_programs_leave_the_device_idle(programs, longest, target, want):
+    assert split_count(programs, longest, target) == want
 
 
 @pytest.mark.parametrize("requested, device, expected", [

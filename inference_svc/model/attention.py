@@ -71,6 +71,8 @@ class KernelPlan:
     token_index: torch.Tensor  # [K] their indices in the packed row
     seq_index: torch.Tensor  # [K] their sequences' rows of block_tables
     positions: torch.Tensor  # [K] their positions (each attends to 0..its own)
+    longest: int = 0  # keys the longest of them attends to (sizes the kernel's context split)
+    splits: int | None = None  # parts per program's keys; None: the kernel's choice for the device
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,8 @@ class PagedAttentionContext:
                                     for n, cached in zip(query_lens, context_lens)])
             index = (~to_sdpa[seq_of]).nonzero()[:, 0]
             if len(index):
-                kernel = KernelPlan(index.to(device), seq_of[index].to(device), positions[index].to(device))
+                at = positions[index]
+                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), int(at.max()) + 1)
             decode_ids = []  # the kernel has them
 
         decodes = None
@@ -220,7 +223,8 @@ def paged_attention_forward(
         kp = ctx.kernel
         out[kp.token_index] = paged_attention(
             q.transpose(0, 1).index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index,
-            kp.positions, cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5)
+            kp.positions, cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5,
+            longest=kp.longest, splits=kp.splits)
 
     if ctx.decodes is not None:
         d = ctx.decodes

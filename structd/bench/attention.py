@@ -5,8 +5,9 @@ over one layer's KV cache; per backend the step's attention context is
 built (host work, which the paged kernel mostly skips) and one layer's
 attention run, alternating backend by backend rep by rep in one process so
 machine noise hits them alike. Reports medians in microseconds (context
-build, attention) and triton/sdpa ratios; writes <out>/attention.json and
-.png. The kernel needs CUDA: on a CPU only SDPA is timed (the kernel's
+build, attention) and triton/sdpa ratios, and the kernel with its context
+split off (triton-unsplit) beside its own choice, so what the split buys is
+measured in the same run; writes <out>/attention.json and .png. The kernel needs CUDA: on a CPU only SDPA is timed (the kernel's
 correctness there is tests/test_paged_kernel.py's, under Triton's
 interpreter). Shapes default to a Llama-3-8B layer (32 query heads, 8 KV
 heads, head dim 128).
@@ -18,6 +19,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,7 +66,10 @@ def run(args) -> dict:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here (use --device cpu to time SDPA alone)")
     try:
-        backends = ["sdpa"] + (["triton"] if resolve_backend("auto", device)[0] == "triton" else [])
+        # triton-unsplit: the kernel with its context split off (one part per program), beside triton's own
+        # choice, so the split's gain is measured in the same run.
+        backends = ["sdpa"] + (["triton", "triton-unsplit"] if resolve_backend("auto", device)[0] == "triton"
+                               else [])
     except AttentionBackendError as e:  # the caller's --device: no backend runs there
         raise UsageError(str(e)) from None
     rows = []
@@ -103,7 +108,9 @@ def _shape(args, device, batch: int, context: int, backends: list[str]) -> dict:
             sync()
             t0 = time.perf_counter()
             ctx = PagedAttentionContext.build(cache, [1] * batch, [context] * batch, tables, device,
-                                              paged_kernel=backend == "triton")
+                                              paged_kernel=backend != "sdpa")
+            if backend == "triton-unsplit":
+                ctx = replace(ctx, kernel=replace(ctx.kernel, splits=1))
             sync()
             t1 = time.perf_counter()
             out, _ = paged_attention_forward(layer, q, k, v, None, scaling=args.head_dim**-0.5,
@@ -122,6 +129,7 @@ def _shape(args, device, batch: int, context: int, backends: list[str]) -> dict:
         row["triton_over_sdpa"] = round((row["triton_build_us"] + row["triton_attention_us"])
                                         / (row["sdpa_build_us"] + row["sdpa_attention_us"]), 3)
         row["max_abs_difference"] = float((outs["triton"] - outs["sdpa"]).abs().max())
+        row["split_over_unsplit"] = round(row["triton_attention_us"] / row["triton-unsplit_attention_us"], 3)
     return row
 
 
