@@ -29,7 +29,8 @@ class GrammarServiceConfig:
     compile_timeout_seconds: float = 10.0
     # Which library compiles grammars when a request names none: xgrammar, llguidance, or auto (xgrammar,
     # falling back to llguidance for what xgrammar refuses or has not compiled after fallback_after_seconds, or
-    # cannot start at once for want of a free compile worker).
+    # cannot start at once for want of a free compile worker; xgrammar alone where llguidance does not import:
+    # server.py).
     grammar_backend: str = "auto"
     # Under issue 26's first-token target, not at it: at the budget llguidance's grammar is ready, and the
     # session's open and first mask still come after it (docs/benchmarks.md, "Backend coverage").
@@ -140,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--grammar-backend", d.grammar_backend,
           "library that compiles a constraint whose request names none: xgrammar, llguidance, or auto (xgrammar, "
           "falling back to llguidance for what xgrammar refuses, crashes on or has not compiled after "
-          "--fallback-after-seconds, or cannot start because every compile worker is busy)")
+          "--fallback-after-seconds, or cannot start because every compile worker is busy). Where llguidance does "
+          "not import, auto serves from xgrammar alone and llguidance refuses to start the replica")
     f.add("--fallback-after-seconds", d.fallback_after_seconds,
           "with --grammar-backend auto: how long a compile waits for xgrammar before llguidance serves the "
           "constraint (keep it well under --compile-timeout-seconds)")

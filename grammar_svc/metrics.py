@@ -55,6 +55,11 @@ class GrammarMetrics:
         for backend, reasons in BACKEND_CHOICES.items():
             for reason in reasons:
                 self.backend_choices.labels(backend, reason)  # every possible choice exported from the start, at 0
+        self.backend_available = Gauge(
+            "grammar_svc_backend_available",
+            "Whether each grammar backend's library imports on this replica: 1, or 0 where the image lacks it "
+            "(llguidance: auto then serves every constraint from xgrammar, and a request naming llguidance is "
+            "refused with FAILED_PRECONDITION).", ["backend"], registry=r)
         self.compile_failures = Counter(
             "grammar_svc_compile_failures_total",
             "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",

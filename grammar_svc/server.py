@@ -2,7 +2,10 @@
 
 Health is NOT_SERVING until the compile workers are up and the preload file
 is compiled; on SIGTERM it turns NOT_SERVING, stops accepting, and lets
-in-flight calls finish within the grace period.
+in-flight calls finish within the grace period. Whether llguidance imports
+is found once, as the replica is built: without it the replica serves from
+xgrammar (one warning), or refuses to start where --grammar-backend names
+llguidance.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import logging
 
 from grammar_svc.compile import preload
 from grammar_svc.compile.backend import GrammarBackend
+from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, LlguidanceAvailability, install_hint,
+                                                    probe_llguidance)
 from grammar_svc.config import GrammarServiceConfig
 from grammar_svc.step.mask_filler import MaskFiller
 from grammar_svc.metrics import GrammarMetrics
@@ -27,10 +32,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GrammarService"].full_name
 
 
 class GrammarServer(Hosted):
-    """One grammar replica. `start` returns once it is SERVING; `stop` drains."""
+    """One grammar replica. `start` returns once it is SERVING; `stop` drains. `llguidance`: whether llguidance
+    imports (None: found out here, by importing it)."""
 
-    def __init__(self, config: GrammarServiceConfig):
+    def __init__(self, config: GrammarServiceConfig, *, llguidance: LlguidanceAvailability | None = None):
         self.config = config
+        self.llguidance = llguidance if llguidance is not None else probe_llguidance()
+        _check_llguidance(self.llguidance, config.grammar_backend)
         self.metrics = GrammarMetrics()
         self.limiter = SessionLimiter(config.max_sessions, self.metrics, config.max_sessions_per_stream)
         self.backend = GrammarBackend(
@@ -43,7 +51,7 @@ class GrammarServer(Hosted):
             max_tokenizers=config.max_tokenizers, max_compiles_per_caller=config.max_compiles_per_caller,
             tokenizers_in_sessions=self.limiter.fingerprints_in_use,
             worker_memory_limit_bytes=config.worker_memory_limit_bytes, grammar_backend=config.grammar_backend,
-            fallback_after_seconds=config.fallback_after_seconds)
+            fallback_after_seconds=config.fallback_after_seconds, llguidance=self.llguidance)
         self.filler = MaskFiller(config.fill_threads, config.max_row_fill_seconds)
         self.checks = OutputChecks(self.backend, self.metrics, config.check_workers,
                                    memory_limit_bytes=config.worker_memory_limit_bytes)
@@ -111,6 +119,22 @@ class GrammarServer(Hosted):
         self.servicer.close()
         self.filler.close()
         self.checks.close()
+
+
+def _check_llguidance(llguidance: LlguidanceAvailability, grammar_backend: str) -> None:
+    """Says once, at start, what the replica does about llguidance; refuses to start where it is the only backend
+    configured and does not import (every constraint would fail)."""
+    if llguidance.available:
+        log.info("grammar backends: xgrammar and llguidance %s", llguidance.version)
+        return
+    if grammar_backend == LLGUIDANCE:
+        raise SystemExit(f"the grammar service cannot start with --grammar-backend llguidance: "
+                         f"{llguidance.why_missing()}. Install it ({install_hint()}) or start with --grammar-backend "
+                         "auto or xgrammar")
+    auto = (", and auto serves every constraint from xgrammar (no fallback to llguidance for what xgrammar refuses, "
+            "crashes on or compiles slowly)") if grammar_backend == AUTO else ""
+    log.warning("%s: requests naming llguidance are refused (FAILED_PRECONDITION)%s; install it with %s",
+                llguidance.why_missing(), auto, install_hint())
 
 
 async def serve(config: GrammarServiceConfig) -> None:

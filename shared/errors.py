@@ -51,6 +51,11 @@ class UnknownTokenizerError(StructdError):
     """A tokenizer fingerprint this replica was never given."""
 
 
+class BackendNotInstalledError(StructdError):
+    """A request names a grammar backend whose library this replica's image lacks: another replica, or this one
+    once the operator installs it, serves it; the message says which library and how to install it."""
+
+
 class NotFoundError(StructdError):
     """A grammar id or session id this replica does not hold."""
 

@@ -27,6 +27,8 @@ STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     errors.CompileTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.CheckTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.UnknownTokenizerError: grpc.StatusCode.FAILED_PRECONDITION,
+    # As an unknown tokenizer: this replica lacks what the request needs (callers try another replica).
+    errors.BackendNotInstalledError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.UnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.CancelledError: grpc.StatusCode.CANCELLED,

@@ -25,6 +25,7 @@ ROWS = [
     pytest.param(errors.CompileTimeoutError, C.DEADLINE_EXCEEDED, OTHER, id="compile-timeout"),
     pytest.param(errors.CheckTimeoutError, C.DEADLINE_EXCEEDED, OTHER, id="check-timeout"),
     pytest.param(errors.UnknownTokenizerError, C.FAILED_PRECONDITION, OTHER, id="unknown-tokenizer"),
+    pytest.param(errors.BackendNotInstalledError, C.FAILED_PRECONDITION, OTHER, id="backend-not-installed"),
     pytest.param(errors.NotFoundError, C.NOT_FOUND, OTHER, id="not-found"),
     pytest.param(errors.UnavailableError, C.UNAVAILABLE, TRY_LATER, id="unavailable"),
     pytest.param(errors.CancelledError, C.CANCELLED, OTHER, id="cancelled"),

@@ -29,6 +29,12 @@ reason that decided it: the next request for the same spec is answered from
 it, or from xgrammar's grammar once that is cached. A grammar id a request
 was served from stays valid (nothing drops it but the cache's eviction).
 
+Where llguidance does not import (the replica's image lacks it: server.py
+finds out once, at start), auto is xgrammar alone (no feature path, hedge or
+fallback, and no llguidance tokenizer built), and a request naming
+llguidance is refused (BackendNotInstalledError: FAILED_PRECONDITION, naming
+the package and how to install it), never an import failing per request.
+
 Per-caller limits live here too: distinct compiles a caller may wait on
 (caller_compiles.py), the cap on a compile's deadline (a compile the cap cut
 short is INVALID_ARGUMENT naming --max-compile-timeout-seconds, not a
@@ -50,15 +56,16 @@ import xgrammar as xgr
 from grammar_svc.compile.cache import CompiledEntry, FailedEntry, GrammarCache
 from grammar_svc.compile.caller_compiles import CallerCompiles
 from grammar_svc.compile.compile_pool import CompilePool, WorkerCrashedError, WorkersBusyError
-from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, XGRAMMAR, compile_llguidance,
-                                                    ignored_beyond_xgrammar, ignores_only_what_xgrammar_ignores,
+from grammar_svc.compile.llguidance_backend import (AUTO, LLGUIDANCE, XGRAMMAR, LlguidanceAvailability,
+                                                    compile_llguidance, ignored_beyond_xgrammar,
+                                                    ignores_only_what_xgrammar_ignores, install_hint,
                                                     llguidance_only_features, llguidance_tokenizer)
 from grammar_svc.metrics import GrammarMetrics
 from grammar_svc.compile.spec import GrammarSpec, compile_spec
 from grammar_svc.compile.tokenizer_registry import RegisteredTokenizer, TokenizerRegistry, TokenizersFullError
 from grammar_svc.types import Kind
-from shared.errors import (CompileTimeoutError, GrammarCrashError, InvalidGrammarError, NotFoundError,
-                           RequestTooLargeError, StructdError)
+from shared.errors import (BackendNotInstalledError, CompileTimeoutError, GrammarCrashError, InvalidGrammarError,
+                           NotFoundError, RequestTooLargeError, StructdError)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +122,8 @@ class _Flight:
 
 class GrammarBackend:
     def __init__(self, *, compile_workers: int, cache_bytes: int, max_spec_bytes: int,
-                 default_timeout_seconds: float, metrics: GrammarMetrics, max_timeout_seconds: float = 60.0,
+                 default_timeout_seconds: float, metrics: GrammarMetrics, llguidance: LlguidanceAvailability,
+                 max_timeout_seconds: float = 60.0,
                  timeout_cache_seconds: float = 30.0, max_compile_workers: int = 0,
                  compile_lane_after_seconds: float = 0.5, max_tokenizers: int = 16,
                  max_compiles_per_caller: int = 64,
@@ -123,6 +131,9 @@ class GrammarBackend:
                  grammar_backend: str = AUTO, fallback_after_seconds: float = 1.5):
         self.grammar_backend = grammar_backend
         self.fallback_after_seconds = fallback_after_seconds
+        self.llguidance = llguidance
+        metrics.backend_available.labels(XGRAMMAR).set(1)  # imported above: without it nothing runs
+        metrics.backend_available.labels(LLGUIDANCE).set(1 if llguidance.available else 0)
         self._tokenizers_in_sessions = tokenizers_in_sessions
         self.tokenizers = TokenizerRegistry(max_tokenizers, self._tokenizers_in_use)
         self.callers = CallerCompiles(max_compiles_per_caller, metrics)
@@ -163,7 +174,7 @@ class GrammarBackend:
         except TokenizersFullError:  # the caller's: every slot is in use; counted, then mapped
             self.metrics.limit_rejections.labels("tokenizers").inc()
             raise
-        if not already and self.grammar_backend != XGRAMMAR:
+        if not already and self.grammar_backend != XGRAMMAR and self.llguidance.available:
             # Built now, not by the first compile that falls back to llguidance: building it holds the GIL for
             # seconds at 129k tokens, which stalled every request in flight (docs/benchmarks.md, "Backend
             # coverage"). On an xgrammar replica only a request naming llguidance needs it: built then.
@@ -193,8 +204,11 @@ class GrammarBackend:
         timeout = min(timeout, self.max_timeout_seconds)
         choice = backend or self.grammar_backend
         try:
-            if choice == AUTO:
+            if choice == AUTO and self.llguidance.available:
                 result = await self._compile_auto(fingerprint, spec, timeout, caller)
+            elif choice == AUTO:
+                # Without llguidance auto has nothing to fall back to: xgrammar's answer, within the deadline.
+                result = replace(await self._compile(fingerprint, spec, timeout, caller), reason=DEFAULT)
             else:
                 reason = REQUESTED if backend else CONFIGURED
                 if choice == LLGUIDANCE:
@@ -383,6 +397,11 @@ class GrammarBackend:
                                   reason: str) -> CompileResult:
         """llguidance's grammar (no worker: it builds lazily, so a compile is a validation; it runs on a thread,
         llguidance releasing the GIL)."""
+        if not self.llguidance.available:
+            raise BackendNotInstalledError(
+                f"{self.llguidance.why_missing()}, so it cannot serve backend llguidance: ask for backend auto or "
+                f"xgrammar (auto serves every constraint from xgrammar here), or have the operator install it "
+                f"({install_hint()})")
         kind = spec.kind.value
         tokenizer = self.tokenizers.get(fingerprint)
         grammar_id = spec.grammar_id(fingerprint, LLGUIDANCE)

@@ -24,10 +24,18 @@ The tokenizer llguidance gets is built from the registered TokenizerInfo
 (the same token bytes, vocabulary size and stop tokens as xgrammar's), with
 the registered tokenizer.json's encoder for the forced text it tokenizes
 itself (else llguidance's greedy tokenization of the same vocabulary).
+
+llguidance is imported where it is used, never at this module's import: an
+image without it (a custom image, a platform with no wheel) still runs the
+service on xgrammar. `probe_llguidance` finds out once, at the service's
+start, whether it imports; backend.py then never calls into it where it
+does not.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import re
 import sys
@@ -45,6 +53,47 @@ AUTO = "auto"
 GRAMMAR_REVISION = "llguidance-8"
 
 _TOKENIZER_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LlguidanceAvailability:
+    """Whether llguidance imports in this process: found once, at the service's start (probe_llguidance)."""
+
+    version: str | None  # None: it does not import
+    problem: str = ""  # why not, as the import failed
+
+    @property
+    def available(self) -> bool:
+        return self.version is not None
+
+    def why_missing(self) -> str:
+        return f"llguidance does not import on this grammar replica ({self.problem})"
+
+
+def probe_llguidance(import_module=importlib.import_module) -> LlguidanceAvailability:
+    """Imports llguidance (`import_module` is the importer; the service passes the standard one) and says whether
+    it worked and which version it is."""
+    try:
+        module = import_module("llguidance")
+    except Exception as e:  # noqa: BLE001 - the image's: the package is missing or broken (a wheel for another
+        # platform or glibc); the service runs on xgrammar alone and says why, never per request
+        return LlguidanceAvailability(None, f"{type(e).__name__}: {e}")
+    try:
+        version = importlib.metadata.version("llguidance")
+    except importlib.metadata.PackageNotFoundError:  # the image's: installed without its metadata (vendored)
+        version = str(getattr(module, "__version__", "unknown version"))
+    return LlguidanceAvailability(version)
+
+
+def install_hint() -> str:
+    """The pip command that installs the llguidance structd's grammar extra pins (read from structd's metadata,
+    so it cannot drift from pyproject.toml)."""
+    try:
+        requirements = importlib.metadata.requires("structd") or []
+    except importlib.metadata.PackageNotFoundError:  # the image's: structd run from a source tree, not installed
+        requirements = []
+    pinned = next((r.split(";")[0].strip() for r in requirements if re.match(r"llguidance\b", r)), "llguidance")
+    return f"pip install '{pinned}'"
 
 
 @dataclass(frozen=True)

@@ -428,12 +428,17 @@ class GrammarTier:
 
     async def compile(self, link: GrammarLink) -> None:
         """Compiles the session's constraint on the least-loaded registered replica and places the session
-        there (opened with the next step). A replica that answers UNAVAILABLE (or forgot the tokenizer) is
-        marked unregistered and the compile is tried once more on another one."""
+        there (opened with the next step). A replica that answers UNAVAILABLE or FAILED_PRECONDITION (it forgot
+        the tokenizer, or lacks the backend asked for) is marked unregistered and the compile is tried once more
+        on another one; with none left, the client hears that replica's answer."""
         tried: set[int] = set()
+        refused: tuple[grpc.aio.AioRpcError, str] | None = None  # the last replica's own answer, and its target
         while True:
             r = self._pick(tried)
             if r is None:
+                if refused is not None:
+                    # Its message says what the replica lacks (llguidance, say) and how to mend it.
+                    raise compile_error(*refused) from None
                 raise errors.UnavailableError("no grammar replica is available; retry later")
             tried.add(r.id)
             # Counted from the pick, not the answer: requests that arrive together compile concurrently,
@@ -453,10 +458,12 @@ class GrammarTier:
             except grpc.aio.AioRpcError as e:
                 if e.code() not in _RETRY_ELSEWHERE:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
-                # The replica's: it is down or restarted without the tokenizer; maintain() re-registers it.
+                # The replica's: it is down, restarted without the tokenizer (maintain() re-registers it) or lacks
+                # the backend asked for (another replica may have it).
                 r.unregister()
                 if len(tried) >= 2:
                     raise compile_error(e, r.client.target) from None
+                refused = (e, r.client.target)
                 log.warning("grammar replica %s: compile failed with %s; trying another replica",
                             r.client.target, e.code().name)
                 continue
