@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 # Bumped when the cached file's layout or what a description holds changes: older files are then not read.
 CACHE_FORMAT = 1
 _MAGIC = b"structd tokenizer description\n"
+# A temporary description file this old was left by a writer that was killed: removed at the next write.
+TMP_ABANDONED_SECONDS = 3600.0
 
 
 def default_tokenizer_dir() -> Path:
@@ -168,6 +171,7 @@ def _write_cached(path: Path, desc: TokenizerDescription) -> None:
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path.parent)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
             tmp = f.name
             f.write(_MAGIC + header.encode("utf-8") + b"\n" + info_z + hf_z)
@@ -179,6 +183,15 @@ def _write_cached(path: Path, desc: TokenizerDescription) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):  # the cache directory's: the partial file is gone already
                 os.unlink(tmp)
+
+
+def _remove_abandoned(folder: Path, older_than_seconds: float = TMP_ABANDONED_SECONDS) -> None:
+    """Removes temporary files a killed writer left (a write takes a moment; one this old has no writer)."""
+    cutoff = time.time() - older_than_seconds
+    for stale in folder.glob(".tmp-*"):
+        with contextlib.suppress(OSError):  # another process's cleanup got there first, or the folder's
+            if stale.stat().st_mtime < cutoff:
+                stale.unlink()
 
 
 def _umask() -> int:

@@ -132,3 +132,20 @@ def test_the_cache_file_is_readable_by_whoever_shares_the_folder(tok, tmp_path):
         os.umask(old)
     (written,) = [p for p in cache.rglob("*") if p.is_file()]
     assert stat.S_IMODE(written.stat().st_mode) == 0o644
+
+
+def test_a_temporary_file_a_killed_writer_left_is_removed_at_the_next_write(tok, tmp_path):
+    """A writer killed between writing and renaming leaves a .tmp-* file; the next write removes one old
+    enough to have no writer, and leaves a recent one (a writer may still be on it)."""
+    import os
+    import time
+
+    cache = tmp_path / "tokenizers"
+    cache.mkdir()
+    abandoned, recent = cache / ".tmp-abandoned", cache / ".tmp-recent"
+    abandoned.write_bytes(b"half a description")
+    recent.write_bytes(b"being written")
+    old = time.time() - shared_tokenizer.TMP_ABANDONED_SECONDS - 60
+    os.utime(abandoned, (old, old))
+    describe(tok, len(tok), cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith(".tmp-")) == [".tmp-recent"]
