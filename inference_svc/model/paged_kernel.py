@@ -15,8 +15,8 @@ full over the cache).
 
 Split context (flash-decoding): a step of few tokens launches few programs
 (one sequence on a 2-KV-head model: two, on a GPU of 132 SMs), each walking
-its whole context; the first GPU run measured the kernel 3.8x slower than
-SDPA for one sequence of 8192 keys. When the step's programs are fewer than
+its whole context (the first GPU run measured it well behind SDPA for one
+long sequence: docs/benchmarks.md, "On a GPU"). When the step's programs are fewer than
 twice the device's SMs and its longest context is long, each program's keys
 are split into parts run by programs of their own (a third grid axis); each
 part writes its unnormalised output, running maximum and denominator, and
