@@ -44,7 +44,14 @@ class LimitExceededError(StructdError):
 
 
 class CompileTimeoutError(StructdError):
-    """Compilation outlived its deadline and was stopped."""
+    """Compilation outlived its deadline and was stopped.
+
+    ran_seconds: how long the compile itself ran before it was stopped, where known (a queued one ran for
+    less than its deadline): what a remembered timeout holds against the grammar."""
+
+    def __init__(self, message: str, ran_seconds: float | None = None):
+        super().__init__(message)
+        self.ran_seconds = ran_seconds
 
 
 class UnknownTokenizerError(StructdError):

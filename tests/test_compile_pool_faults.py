@@ -107,27 +107,27 @@ def register(srv, desc) -> None:
     call(srv, lambda c: c.compile(desc.fingerprint, fast(f"warm-{salt()}")))
 
 
-@pytest.fixture(scope="module")
-def capped(tokenizer_desc):
-    """One worker; every compile deadline capped at 1 s; timeouts cached for 1 s."""
-    srv = start_grammar_server(compile_workers=1, compile_timeout_seconds=1.0, max_compile_timeout_seconds=1.0,
-                               compile_timeout_cache_seconds=1.0)
+def one_worker_server(desc, **overrides):
+    """A grammar server of one compile worker that holds the tokenizer, stopped when the module is done."""
+    srv = start_grammar_server(compile_workers=1, **overrides)
     try:
-        register(srv, tokenizer_desc)
+        register(srv, desc)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def capped(tokenizer_desc):
+    """One worker; every compile deadline capped at 1 s; timeouts cached for 1 s."""
+    yield from one_worker_server(tokenizer_desc, compile_timeout_seconds=1.0, max_compile_timeout_seconds=1.0,
+                                 compile_timeout_cache_seconds=1.0)
 
 
 @pytest.fixture(scope="module")
 def roomy(tokenizer_desc):
     """One worker, a minute of deadline: compiles end only when the test ends them."""
-    srv = start_grammar_server(compile_workers=1, compile_timeout_seconds=60.0, max_compile_timeout_seconds=60.0)
-    try:
-        register(srv, tokenizer_desc)
-        yield srv
-    finally:
-        srv.stop()
+    yield from one_worker_server(tokenizer_desc, compile_timeout_seconds=60.0, max_compile_timeout_seconds=60.0)
 
 
 # ---------------------------------------------------------------- (a) the server caps the deadline
@@ -190,6 +190,78 @@ def test_a_timeout_is_forgotten_after_the_cache_time(capped, tokenizer_desc):
     _put(capped, dataclasses.replace(entry, expires_at=time.monotonic()))  # its time is up
     resp = call(capped, lambda c: c.compile(fp, spec))
     assert resp.grammar_id and not resp.cache_hit
+
+
+def queued_behind_a_stopped_worker(srv, worker, fp: str, spec, deadline: float, hold_seconds: float):
+    """The error of compiling `spec` (deadline seconds) queued behind a first compile on the one worker, which
+    is stopped (SIGSTOP) until the second has waited at least hold_seconds, then let go."""
+    pool = srv.server.backend.pool
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+
+    async def go(client):
+        try:
+            first = asyncio.ensure_future(client.compile(fp, fast(f"holder-{salt()}"), timeout_seconds=60))
+            while compiling_worker(srv) is None:
+                await asyncio.sleep(0.02)
+            second = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=deadline))
+            while srv.run_sync(lambda: pool.waiting_jobs) != 1:  # queued behind the first
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(hold_seconds)  # a lower bound on the wait, whatever the load
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        assert (await first).grammar_id
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await second
+        return info.value
+
+    return call(srv, go)
+
+
+def test_a_queued_compile_that_ran_out_compiling_is_the_grammars_timeout_remembered_for_what_it_ran(
+        roomy, tokenizer_desc):
+    """A compile that waited a while for the one worker, then compiled past the rest of its deadline: the
+    grammar is slow (DEADLINE_EXCEEDED, remembered), not the queue busy (which is never remembered, so a slow
+    schema under load cost a worker for its whole deadline at every request). It is remembered for the
+    seconds it compiled: a request with no longer a deadline is answered from the cache."""
+    fp = tokenizer_desc.fingerprint
+    (worker,) = pool_ready(roomy)
+    known = set(_failed_entries(roomy))
+    slow = very_slow(f"queued-{salt()}")
+    deadline = 6.0
+    # At least a sixth of its deadline waited (a lower bound, whatever the load): more than a moment (which
+    # would count as no wait), under the half that would make it the queue's.
+    err = queued_behind_a_stopped_worker(roomy, worker, fp, slow, deadline, hold_seconds=1.0)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "after compiling for" in err.details(), err.details()
+    (entry,) = [e for k, e in _failed_entries(roomy).items() if k not in known]
+    assert deadline / 2 <= entry.timeout_seconds < deadline  # what it compiled for, not the whole deadline
+    pool_ready(roomy)
+    hits = sample(roomy, "grammar_svc_cache_hits_total", kind="json_schema")
+    again = rpc_error(roomy, lambda c: c.compile(fp, slow, timeout_seconds=deadline / 2))
+    assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sample(roomy, "grammar_svc_cache_hits_total", kind="json_schema") == hits + 1, "not from the cache"
+
+
+@pytest.fixture(scope="module")
+def laneless(tokenizer_desc):
+    """One worker and no extra lanes: a job behind a long compile waits for as long as the test holds it."""
+    yield from one_worker_server(tokenizer_desc, max_compile_workers=1, compile_timeout_seconds=60.0,
+                                 max_compile_timeout_seconds=60.0)
+
+
+def test_a_compile_that_waited_most_of_its_deadline_and_ran_out_is_the_queues_not_remembered(
+        laneless, tokenizer_desc):
+    """Held at least 60% of its 3 s deadline behind another compile, then out of time compiling: the queue's
+    doing (DEADLINE_EXCEEDED, counted as busy), never remembered against the grammar."""
+    fp = tokenizer_desc.fingerprint
+    (worker,) = pool_ready(laneless)
+    known = set(_failed_entries(laneless))
+    busy = sample(laneless, "grammar_svc_compile_failures_total", kind="json_schema", reason="busy")
+    err = queued_behind_a_stopped_worker(laneless, worker, fp, very_slow(f"waited-{salt()}"), 3.0, hold_seconds=1.8)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "most of it spent waiting for a free compile worker" in err.details(), err.details()
+    assert sample(laneless, "grammar_svc_compile_failures_total", kind="json_schema", reason="busy") == busy + 1
+    assert not [k for k in _failed_entries(laneless) if k not in known]
+    pool_ready(laneless)
 
 
 # ---------------------------------------------------------------- (b) abandoned compiles are cancelled

@@ -752,8 +752,9 @@ def test_loading_a_compiled_grammar_counts_against_the_deadline(grammar_server, 
 
 def test_the_wait_for_a_worker_counts_against_the_compiles_deadline(auto_server, tokenizer_desc):
     """A compile that waited for a worker gets what the wait left of its deadline, not the whole again (the
-    request was answered up to twice its deadline late); timing out then is the queue's doing: not remembered as
-    the grammar's timeout."""
+    request was answered up to twice its deadline late). Having waited briefly (the held worker is let go at
+    once) it compiled for most of its deadline: the grammar's timeout, remembered for what it compiled
+    (tests/test_compile_pool_faults.py has a wait of most of the deadline: the queue's, busy)."""
     fingerprint = tokenizer_desc.fingerprint
     worker_free(auto_server)
     metric = "grammar_svc_compile_failures_total"
@@ -769,5 +770,5 @@ def test_the_wait_for_a_worker_counts_against_the_compiles_deadline(auto_server,
             client, fingerprint, json_schema({"title": salt(), **TOO_SLOW_SCHEMA}), XGRAMMAR, 3.0)))
     err = info.value
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "waiting for a free compile worker" in err.details(), err.details()
-    assert (failures("busy"), failures("timeout")) == (before[0] + 1, before[1])
+    assert "after compiling for" in err.details() and "waited for a free compile worker" in err.details()
+    assert (failures("busy"), failures("timeout")) == (before[0], before[1] + 1)

@@ -507,8 +507,10 @@ class GrammarBackend:
             raise
         except CompileTimeoutError as e:
             self.metrics.compile_failures.labels(kind, "timeout").inc()
-            # Remembered briefly: the same deadline may well be enough once the load has passed.
-            self.cache.put(FailedEntry(grammar_id, e, timeout,
+            # Remembered briefly: the same deadline may well be enough once the load has passed. Held against
+            # deadlines up to what the compile itself had (less than the request's when it waited for a worker).
+            tried = timeout if e.ran_seconds is None else min(timeout, e.ran_seconds)
+            self.cache.put(FailedEntry(grammar_id, e, tried,
                                        expires_at=time.monotonic() + self.timeout_cache_seconds))
             raise
         except (InvalidGrammarError, RequestTooLargeError) as e:  # the spec's own, every time: remembered

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # Why a worker left the pool (label values of grammar_svc_compile_worker_restarts_total); MEMORY: a compile
 # ran out of the worker's address-space cap.
 DEADLINE, ABANDONED, CRASHED, MEMORY = "deadline", "abandoned", "crashed", "memory"
+# A compile that waited for a worker for less than this share of its deadline and then timed out is
+# remembered as if it had not waited (for the whole deadline); a longer wait, for the seconds it compiled.
+SHORT_WAIT_SHARE = 0.1
 # CPU priorities: the step path (the server, nice 0) before compiles (workers start at
 # WORKER_NICE), and short compiles before those that have run past lane_after_seconds
 # (LONG_COMPILE_NICE). Lowering niceness again needs privileges, so a worker that ran a
@@ -76,7 +79,7 @@ class CompileOutput:
 
 
 class WorkersBusyError(CompileTimeoutError):
-    """No worker became free in time, or the wait for one left the compile too little of its deadline: the
+    """No worker became free in time, or the wait for one left the compile less than half its deadline: the
     queue's doing, not the grammar's, so this is not cached."""
 
 
@@ -552,23 +555,38 @@ class CompilePool:
                 await self._read(loop, worker, worker.load_tokenizer, fingerprint, info_json)
                 tokenizer_seconds = time.monotonic() - worker.job_started
             stage = "compile"
-            worker.start_compile()
             # What the wait for a worker left of the deadline: a compile queued for most of it is not given the
             # whole again (the request's deadline would pass before its answer).
             left = timeout_seconds - (time.monotonic() - asked - tokenizer_seconds)
+            if left <= 0:
+                # The wait took it all: sent, the compile would be stopped at once and the worker killed with it.
+                self._release(worker)
+                raise WorkersBusyError(
+                    f"{spec.kind.value} compilation's {timeout_seconds:g} s deadline passed waiting for a free "
+                    "compile worker (all busy); retry later")
+            worker.start_compile()
             reply = await asyncio.wait_for(
                 asyncio.shield(self._read(loop, worker, worker.compile, fingerprint, spec, self.ship_above_seconds)),
                 max(0.0, left))
         except asyncio.TimeoutError:
             self._remove(worker, DEADLINE)
-            if queued:
+            if not queued:
+                raise CompileTimeoutError(
+                    f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped; "
+                    "simplify the constraint or raise timeout_seconds") from None
+            if left < timeout_seconds / 2:
                 raise WorkersBusyError(
-                    f"{spec.kind.value} compilation ran out of its {timeout_seconds:g} s deadline, part of it spent "
+                    f"{spec.kind.value} compilation ran out of its {timeout_seconds:g} s deadline, most of it spent "
                     "waiting for a free compile worker (all busy); retry later") from None
+            # Queued, but compiled for most of its deadline: the grammar is slow, and the caller may remember
+            # that for as long as it compiled; a wait of a moment counts as none (remembered for the deadline,
+            # as an unqueued timeout is: the same deadline asked again is answered from the cache).
+            waited = timeout_seconds - left
             raise CompileTimeoutError(
-                f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped; "
-                "simplify the constraint or raise timeout_seconds"
-            ) from None
+                f"{spec.kind.value} compilation exceeded its {timeout_seconds:g} s deadline and was stopped after "
+                f"compiling for {left:.3g} s of it (it waited for a free compile worker first); simplify the "
+                "constraint or raise timeout_seconds",
+                ran_seconds=left if waited > SHORT_WAIT_SHARE * timeout_seconds else None) from None
         except (EOFError, OSError) as e:  # the worker process's failure: it died under this job
             self._remove(worker, CRASHED)
             if self._closed:
