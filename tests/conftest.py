@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from grammar_svc.config import GrammarServiceConfig
-from grammar_svc.server import GrammarServer
 from structd.bench.harness import ServiceThread
 
 # Every gateway a test starts is checked against the openai SDK's types (issue 27, item 7); under xdist the
@@ -64,6 +63,10 @@ def load_jsonl(path: Path) -> list[dict]:
 
 def ServerThread(config: GrammarServiceConfig) -> ServiceThread:
     """A GrammarServer on a private event loop in a daemon thread."""
+    # Imported here: xdist's controller loads this file too and runs no test (xgrammar and torch cost it
+    # seconds before any worker starts).
+    from grammar_svc.server import GrammarServer
+
     return ServiceThread(GrammarServer(config), "grammar-server", start_timeout=120.0)
 
 

@@ -4,7 +4,10 @@ The two ranks are real processes (rank 0 starts rank 1 itself, as it does
 without LeaderWorkerSet variables); each holds half of every sharded weight
 and half of the KV heads. Greedy decoding is compared with the session's
 single-rank server, constrained and not; with `--engine-process on` rank 0's
-engine is its core process, which joins the group.
+engine is its core process, which joins the group. The one-process group
+serves the session server's weights by hub id from an offline Hugging Face
+cache (tests/test_model_loading.py builds it): both ranks resolve it there,
+so one group start covers `--model <hub id>` on two ranks too.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import time
 
 import pytest
 
+from inference_svc.model.embedded_model import ensure_embedded_model
 from inference_svc.model.paged_kv import KVCacheSpec
 from inference_svc.model.tensor_parallel import rank_from_env
 from shared.inference_client import InferenceClient
 from structd.bench.harness import free_port
 from tests.conftest import REPO
 from tests.test_cli import children_of, running
+from tests.test_model_loading import REPO_ID, fake_hub_cache, offline_env
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"type": "string", "maxLength": 6}}, "required": ["a", "b"]}
@@ -33,17 +38,24 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=["off", "on"], ids=["one-process", "engine-process"])
-def tp2(grammar_server, request):
+def tp2(grammar_server, request, tmp_path_factory):
+    """(process, target, engine in its own process, hub id or None): the one-process group is started by hub id,
+    offline."""
     from structd.up import wait_serving
 
     port = free_port()
+    hub = request.param == "off"
+    flags, env = [], None
+    if hub:
+        cache = fake_hub_cache(tmp_path_factory.mktemp("hf-hub"), REPO_ID, ensure_embedded_model())
+        flags, env = ["--model", REPO_ID], offline_env(cache)
     proc = subprocess.Popen([sys.executable, "-m", "structd", "inference", "--host", "127.0.0.1", "--port", str(port),
-                             "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2",
+                             "--metrics-port", "0", "--grammar-target", grammar_server.target, "--tp", "2", *flags,
                              "--num-threads", "1", "--log-level", "WARNING", "--engine-process", request.param],
-                            cwd=REPO)
+                            cwd=REPO, env=env)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
-        yield proc, f"127.0.0.1:{port}", request.param == "on"
+        yield proc, f"127.0.0.1:{port}", request.param == "on", REPO_ID if hub else None
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -51,7 +63,7 @@ def tp2(grammar_server, request):
 
 @pytest.mark.parametrize("request_args", PROMPTS)
 def test_two_ranks_decode_like_one(tp2, inference_client, request_args):
-    _, target, _ = tp2
+    target = tp2[1]
     kwargs = dict(request_args)
     prompt = kwargs.pop("prompt")
     one = inference_client.complete(prompt, **kwargs)
@@ -61,8 +73,23 @@ def test_two_ranks_decode_like_one(tp2, inference_client, request_args):
     assert (two.text, two.finish_reason) == (one.text, one.finish_reason)
 
 
+def test_model_info_names_what_the_group_was_started_with(tp2):
+    """A hub id resolved offline on both ranks is what GetModelInfo names (the weights are the session
+    server's, as the decoding above shows)."""
+    import grpc
+
+    from shared.gen.inference.v1 import inference_service_pb2 as pb
+    from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
+
+    _, target, _, hub_id = tp2
+    with grpc.insecure_channel(target) as channel:
+        info = pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.model_id == (hub_id or "structd-tiny-llama")
+    assert time.time() - 600 < info.loaded_unix_seconds <= time.time()
+
+
 def test_sigterm_stops_every_rank(tp2):
-    proc, _, engine_process = tp2
+    proc, _, engine_process, _ = tp2
     children = children_of(proc.pid)
     # Rank 0 starts rank 1 itself (and, with --engine-process on, its engine core).
     assert len(children) == 1 + engine_process

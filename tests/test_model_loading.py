@@ -3,7 +3,9 @@ progress bars, the served model name, and one actionable line when `--model` nam
 
 There is no hub to reach from here, so hub ids resolve from a Hugging Face
 cache built the way `hf download` leaves one (blobs named by their hash, a
-snapshot of symlinks, refs/main), with HF_HUB_OFFLINE=1.
+snapshot of symlinks, refs/main), with HF_HUB_OFFLINE=1. A hub id served by a
+real two-rank process, both ranks resolving it from such a cache, is in
+tests/test_inference_tensor_parallel.py (its group starts once for both files).
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from inference_svc.model.embedded_model import DEFAULT_SPEC, EmbeddedModelSpec, 
 from inference_svc.core.assembly import load_runner
 from inference_svc.model.model_loading import (ModelNotFoundError, checkpoint_dtype, load_model, native_dtypes,
                                          pick_dtype, resolve_model)
-from shared.inference_client import InferenceClient
-from structd.bench.harness import free_port
 from tests.conftest import REPO
 
 TINY = EmbeddedModelSpec(name="test-tiny", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -62,12 +62,6 @@ def fake_hub_cache(root: Path, repo_id: str, model_dir: Path, commit: str = COMM
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return ensure_embedded_model(tmp_path_factory.mktemp("tiny"), TINY, progress=None)
-
-
-@pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory) -> Path:
-    """A hub cache holding the default embedded model as structd/tiny-llama (what the session's server serves)."""
-    return fake_hub_cache(tmp_path_factory.mktemp("hf-hub"), REPO_ID, ensure_embedded_model())
 
 
 def offline_env(cache: Path) -> dict[str, str]:
@@ -212,35 +206,3 @@ def test_hub_id_that_resolves_nowhere_fails_at_start_with_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("structd inference: --model org/absent: ") and "HF_HUB_OFFLINE=1" in lines[0]
-
-
-def test_hub_id_serves_offline_on_two_ranks(hub_cache, grammar_server, inference_client):
-    """Both ranks resolve structd/tiny-llama from the cache (rank 1 after rank 0, at the commit rank 0 found)
-    and decode exactly what the session's server decodes from the same weights loaded by path; GetModelInfo
-    names the hub id."""
-    import grpc
-
-    from shared.gen.inference.v1 import inference_service_pb2 as pb
-    from shared.gen.inference.v1 import inference_service_pb2_grpc as pb_grpc
-    from structd.up import wait_serving
-
-    port = free_port()
-    # Its output goes to pytest's capture: shown when the test fails.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "structd", "inference", "--model", REPO_ID, "--tp", "2", "--host", "127.0.0.1",
-         "--port", str(port), "--metrics-port", "0", "--grammar-target", grammar_server.target,
-         "--num-threads", "1", "--grace-seconds", "1", "--log-level", "WARNING"],
-        cwd=REPO, env=offline_env(hub_cache))
-    try:
-        wait_serving(f"127.0.0.1:{port}", proc, timeout=300)
-        with InferenceClient(f"127.0.0.1:{port}") as client:
-            for prompt, kwargs in (("Hello", dict(max_tokens=8, ignore_eos=True)),
-                                   ("Pick:", dict(choice=["alpha", "beta", "gamma"]))):
-                assert client.complete(prompt, **kwargs).token_ids == inference_client.complete(
-                    prompt, **kwargs).token_ids
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            info = pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-        assert info.model_id == REPO_ID and time.time() - 600 < info.loaded_unix_seconds <= time.time()
-    finally:
-        proc.terminate()
-        proc.wait(60)
