@@ -46,7 +46,7 @@ import resource
 import tempfile
 import time
 
-from shared.errors import RequestTooLargeError
+from shared.errors import InvalidGrammarError, RequestTooLargeError
 from shared.xgrammar_messages import clean_message
 
 MEMORY_LIMIT_FLAG = "--memory-limit"
@@ -140,6 +140,8 @@ def serve(conn) -> None:
             conn.send(("ok", serialized, warnings, duration, compiled.memory_size_bytes))
         except RequestTooLargeError as e:
             conn.send(("too_large", str(e)))
+        except InvalidGrammarError as e:  # the schema's (normalisation found it matches nothing)
+            conn.send(("invalid", str(e)))
         except (MemoryError, RuntimeError, ValueError, TypeError, xgr.InvalidJSONError,
                 xgr.InvalidStructuralTagError) as e:
             if _out_of_memory(e):

@@ -22,6 +22,12 @@ xgrammar 0.2.8 writes the EBNF; structd owns what goes in and what comes out:
    The pattern is what the schema's author wrote to constrain the string, and
    the one the validator asserts (`format` is an annotation unless a format
    checker is asked for). Only xgrammar's schema: llguidance enforces both.
+7. a property whose schema is `false` (normalisation makes a property no
+   value satisfies `false`), not required, on an object that names no
+   `additionalProperties` or `patternProperties`, is unlisted for xgrammar,
+   which refuses a `false` property schema: its strict mode closes such an
+   object, so the name is never written (in lenient mode it may be, as an
+   extra property of any value). llguidance is given the `false`.
 
 `GRAMMAR_REVISION` names this path in every JSON grammar's cache key, so a
 grammar id never refers to a grammar an older path compiled.
@@ -38,17 +44,18 @@ from grammar_svc.schema.schema_normalise import normalise_schema
 from grammar_svc.types import JsonOptions, Whitespace
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-12"
+GRAMMAR_REVISION = "json-grammar-13"
 
 
 def normalised_schema_text(schema_text: str, *, for_xgrammar: bool = False) -> str:
     """The schema a backend is given: normalised where that makes its grammar right, else as it was.
 
-    for_xgrammar: also a `pattern`'s `format` dropped (the module docstring, 6)."""
+    for_xgrammar: also a `pattern`'s `format` dropped and `false` properties unlisted (the module docstring, 6
+    and 7)."""
     schema = json.loads(schema_text)
     normalised = normalise_schema(schema)
     if for_xgrammar:
-        normalised = _pattern_over_format(normalised)
+        normalised = _for_xgrammar(normalised)
     return schema_text if normalised == schema else json.dumps(normalised, ensure_ascii=False)
 
 
@@ -58,17 +65,22 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "definitions", "$defs", "dependentSchemas"})
 
 
-def _pattern_over_format(node):
+def _for_xgrammar(node):
     # Recursive: normalisation bounds the schema's nesting (MAX_DEPTH).
     if isinstance(node, list):
-        return [_pattern_over_format(v) for v in node]
+        return [_for_xgrammar(v) for v in node]
     if not isinstance(node, dict):
         return node
     out = {k: v if k in _DATA_KEYWORDS
-           else {n: _pattern_over_format(s) for n, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict)
-           else _pattern_over_format(v) for k, v in node.items()}
+           else {n: _for_xgrammar(s) for n, s in v.items()} if k in _SCHEMA_MAPS and isinstance(v, dict)
+           else _for_xgrammar(v) for k, v in node.items()}
     if isinstance(out.get("pattern"), str) and isinstance(out.get("format"), str):
         del out["format"]
+    props, required = out.get("properties"), out.get("required")
+    if isinstance(props, dict) and False in props.values() and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        required = required if isinstance(required, list) else []
+        out["properties"] = {k: v for k, v in props.items() if v is not False or k in required}
     return out
 
 

@@ -13,6 +13,17 @@ meaning:
 - the keywords beside `anyOf`/`oneOf` are merged into each branch
   (`{A, anyOf: [B, C]}` is `anyOf: [A and B, A and C]`);
 - `enum` values that the node's own `type` excludes are dropped;
+- a node no value satisfies becomes `false` (xgrammar writes some value for
+  it, one the schema rejects): an `enum` or `const` none of whose values has
+  the node's `type` (of known names), an empty `enum`, an `allOf` whose parts
+  have no value in common (two `const`s, disjoint `enum`s or types, a
+  `false` part, a name one part requires and another forbids); an object
+  node (`type: "object"`) with a required property that is `false`; an
+  array node (`type: "array"`) whose `items` are `false` with `minItems` of
+  1 or more, or whose prefix item i is `false` with `minItems` past i.
+  `anyOf`/`oneOf` branches that are `false` are dropped (none left: the node
+  is `false`). A schema that is `false` as a whole is refused
+  (InvalidGrammarError naming where and why);
 - `not` with only a `type` becomes the remaining types (xgrammar ignores
   `not`; `not: {"type": "integer"}` also leaves out non-integral numbers,
   which no JSON Schema type names);
@@ -78,7 +89,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from shared.errors import RequestTooLargeError
+from shared.errors import InvalidGrammarError, RequestTooLargeError
 
 # Nodes any schema may produce, plus PER_INPUT_NODE for each of its own dicts and lists: far above what real
 # schemas need (docs/benchmarks.md, "Hostile input at the grammar service"), far below what exhausts a worker.
@@ -104,6 +115,7 @@ _IGNORED_BY_XGRAMMAR = frozenset({"if", "then", "else", "not", "dependencies", "
                                   "dependentSchemas", "unevaluatedProperties", "unevaluatedItems", "contentEncoding",
                                   "contentMediaType", "contentSchema"})
 _JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+_TYPE_NAMES = frozenset({*_JSON_TYPES, "number", "integer"})
 # The `$schema` of the drafts where a `$ref` replaces its node (every keyword beside it ignored). A schema
 # naming no draft is read as 2020-12, where they apply, as the output check reads it.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -111,6 +123,11 @@ _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 class _CannotMerge(Exception):
     """Two schemas whose conjunction this module cannot write as one schema."""
+
+
+class _Unsatisfiable(_CannotMerge):
+    """Two schemas no value satisfies both of: their conjunction is `false` (a _CannotMerge where the caller
+    cannot write `false` in its place)."""
 
 
 def normalise_schema(schema: Any, budget: int | None = None) -> Any:
@@ -122,6 +139,9 @@ def normalise_schema(schema: Any, budget: int | None = None) -> Any:
     normaliser = _Normaliser(schema, not ref_siblings_ignored(schema),
                              node_budget(schema) if budget is None else budget)
     out = normaliser.node(schema)
+    if out is False:
+        raise InvalidGrammarError(f"json_schema matches nothing: {normaliser.why('/')}; correct the part named "
+                                  "last")
     # Merges share subtrees between places, so what json.dumps writes may be larger than what was built.
     if isinstance(out, dict):  # else the boolean schema an allOf of `false` merged into: nothing to measure
         _check_tree(out, normaliser.budget)
@@ -192,6 +212,22 @@ class _Normaliser:
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
         self._targets: dict[str, Any] = {}  # normalised $ref targets
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
+        self._notes: dict[str, str] = {}  # path -> why the node there became `false`
+        self._last_note = ""
+
+    def _here(self, *more: str) -> str:
+        return "/" + "/".join([*self._path, *(m.replace("~", "~0").replace("/", "~1") for m in more)])
+
+    def why(self, path: str) -> str:
+        """Why the node at `path` (a _here() path) is `false`, with the reasons of the parts that made it so."""
+        return self._notes.get(path, f"at {path}, the schema is `false`")
+
+    def _false(self, why: str, cause: str = "") -> bool:
+        """`false` for the node being worked on, noting why (and `cause`, the note of the part that made it so)."""
+        here = self._here()
+        note = f"at {'the root' if here == '/' else here}, {why}"
+        self._last_note = self._notes[here] = f"{note}; {cause}" if cause else note
+        return False
 
     def _spend(self) -> None:
         self._produced += 1
@@ -223,26 +259,45 @@ class _Normaliser:
     def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
         if isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out:
+            self._last_note = ""  # a note a merge below makes names why
             out = self._if_then_cases(out)
+            if out is False:
+                return self._false("no case of its if/then accepts a value", self._last_note)
         if isinstance(out.get("allOf"), list) and out["allOf"]:
+            parts = [self._here("allOf", str(i)) for i in range(len(out["allOf"]))]
+            self._last_note = ""
             try:
                 out = self._merge_all_of(out)
             except _CannotMerge:
                 pass  # left as it was: xgrammar's own approximation (its compile warning says so)
             if not isinstance(out, dict):
-                return out  # `{"allOf": [false]}` is the schema `false`
+                # `{"allOf": [false]}`, or parts with no value in common: the schema `false`
+                return self._false("its allOf parts have no value in common",
+                                   next((self._notes[p] for p in parts if p in self._notes), self._last_note))
         for key in ("anyOf", "oneOf"):
             if isinstance(out.get(key), list) and out[key] and not ("anyOf" in out and "oneOf" in out):
                 try:
                     out = self._distribute(out, key)
                 except _CannotMerge:
                     pass  # left as it was
+            if isinstance(out.get(key), list) and False in out[key]:
+                # A branch that is `false` matches nothing (xgrammar refuses it): dropped.
+                if not any(b is not False for b in out[key]):
+                    return self._false(f"every branch of its {key} accepts no value",
+                                       self._notes.get(self._here(key, "0"), ""))
+                out = {**out, key: [b for b in out[key] if b is not False]}
+        found = _unsatisfiable(out)
+        if found is not None:
+            why, part = found
+            return self._false(why, self._notes.get(self._here(*part), "") if part else "")
         if isinstance(out.get("oneOf"), list):
             out = _one_of_told_apart(out)
         if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
             out = _lengths_into_pattern(out)
         if isinstance(out.get("not"), dict) and set(out["not"]) == {"type"}:
             out = _not_type(out)
+            if out is False:
+                return self._false("its not excludes every type its type admits")
         if isinstance(out.get("required"), list):
             out = _required_listed(out)
         if out.get("additionalProperties") is False and isinstance(out.get("properties"), dict) and \
@@ -250,7 +305,7 @@ class _Normaliser:
             out = _false_properties_unlisted(out)
         if isinstance(out.get("enum"), list) and "type" in out:
             kept = [v for v in out["enum"] if _has_type(v, out["type"])]
-            if kept:
+            if kept:  # else a type name that is no JSON type (known ones: `false` above): left as written
                 out["enum"] = kept
         return out
 
@@ -376,8 +431,10 @@ class _Normaliser:
             return a
         if a is True or a == {}:
             return b
-        if a is False or b is False or not isinstance(a, dict) or not isinstance(b, dict):
-            raise _CannotMerge("false or not a schema")
+        if a is False or b is False:
+            return False  # nothing satisfies `false`, nor its conjunction with anything
+        if not isinstance(a, dict) or not isinstance(b, dict):
+            raise _CannotMerge("not a schema")
         a, b = self._resolved(a, ()), self._resolved(b, ())
         if not isinstance(a, dict) or not isinstance(b, dict):
             return self.merge(a, b)  # a `$ref` to `true` or `false`: merged as that schema
@@ -385,22 +442,28 @@ class _Normaliser:
             raise _CannotMerge("an allOf that could not be merged itself")  # parts arrive normalised
         self._spend()
         out = dict(a)
-        for key, bv in b.items():
-            if key not in out:
-                out[key] = bv
-            elif json_key(out[key]) == json_key(bv) or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
-                continue
-            else:
-                out[key] = self._merge_keyword(key, out[key], bv)
-        _apply_additional_properties(out, a, b, self.merge)
-        if "const" in out and isinstance(out.get("enum"), list) and \
-                json_key(out["const"]) in {json_key(v) for v in out["enum"]}:
+        try:
+            for key, bv in b.items():
+                if key not in out:
+                    out[key] = bv
+                elif json_key(out[key]) == json_key(bv) or key in _ANNOTATIONS or key in _IGNORED_BY_XGRAMMAR:
+                    continue
+                else:
+                    out[key] = self._merge_keyword(key, out[key], bv)
+            _apply_additional_properties(out, a, b, self.merge)
+        except _Unsatisfiable as e:
+            return self._false(str(e))
+        if "const" in out and isinstance(out.get("enum"), list):
+            if json_key(out["const"]) not in {json_key(v) for v in out["enum"]}:
+                return self._false(f"its const {out['const']!r} is not in its enum")
             del out["enum"]  # xgrammar enforces one of the two: the const alone says both
         return out
 
     def _merge_keyword(self, key: str, av: Any, bv: Any) -> Any:
         if key == "type":
             return _intersect_types(av, bv)
+        if key == "const":
+            raise _Unsatisfiable(f"its parts' consts {av!r} and {bv!r} differ")  # (equal ones are kept once)
         if key == "required" and isinstance(av, list) and isinstance(bv, list):
             return av + [k for k in bv if k not in av]
         if key in ("properties", "patternProperties") and isinstance(av, dict) and isinstance(bv, dict):
@@ -435,7 +498,7 @@ class _Normaliser:
             in_b = {json_key(w) for w in bv}
             both = [v for v in av if json_key(v) in in_b]
             if not both:
-                raise _CannotMerge("enums with nothing in common")
+                raise _Unsatisfiable("its parts' enums have no value in common")
             return both
         if key == "uniqueItems" and isinstance(av, bool) and isinstance(bv, bool):
             return av or bv
@@ -521,11 +584,42 @@ def _not_type(node: dict) -> dict:
         remaining.remove("integer")  # number already admits every integer
     try:
         types = _intersect_types(node["type"], remaining) if "type" in node else remaining
+    except _Unsatisfiable:
+        return False  # no type left
     except _CannotMerge:
-        return node  # nothing left: unsatisfiable, left as written
+        return node  # a name that is no JSON type: left as written
     out = {k: v for k, v in node.items() if k != "not"}
     out["type"] = types
     return out
+
+
+def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
+    """Why no value satisfies `node` (its keywords final), with the path of the part that makes it so (empty: the
+    node's own keywords); None where some value may. Only what is certain: an object's required property or an
+    array's items matter only where the node's type is that type alone (other types ignore those keywords)."""
+    types = _types(node.get("type"))
+    known = bool(types) and set(types) <= _TYPE_NAMES
+    enum = node.get("enum")
+    if enum == []:
+        return "its enum lists no value", ()
+    if known and isinstance(enum, list) and not any(_has_type(v, types) for v in enum):
+        return f"none of its enum values is of its type {node['type']!r}", ()
+    if known and "const" in node and not _has_type(node["const"], types):
+        return f"its const {node['const']!r} is not of its type {node['type']!r}", ()
+    if types == ["object"] and isinstance(node.get("properties"), dict) and isinstance(node.get("required"), list):
+        for name in node["required"]:
+            if isinstance(name, str) and node["properties"].get(name) is False:
+                return f"its required property {name!r} accepts no value", ("properties", name)
+    min_items = node.get("minItems", 0)
+    if types == ["array"] and _numbers(min_items):
+        if node.get("items") is False and min_items >= 1:
+            return f"its items accept no value and its minItems is {min_items}", ("items",)
+        for key in ("prefixItems", "items"):
+            prefix = node.get(key)
+            if isinstance(prefix, list) and False in prefix and prefix.index(False) < min_items:
+                i = prefix.index(False)
+                return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
+    return None
 
 
 def _required_listed(node: dict) -> dict:
@@ -578,6 +672,8 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
                 for q in fresh:
                     if extra is not False:
                         merged[q] = merge(merged[q], extra)  # the pattern's schema meets it (narrower for those)
+                        if merged[q] is False:  # exact, but xgrammar refuses a `false` pattern
+                            raise _CannotMerge("a pattern's schema and the other part's additionalProperties")
                     elif patterns or any(_may_match({q: {}}, n) for n in part.get("properties") or {}):
                         # A name this part lists or admits may match it: forbidding the pattern would forbid
                         # it (xgrammar refuses a `false` pattern anyway), keeping it would let the others past.
@@ -588,7 +684,7 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         own = part.get("properties") or {}
         if extra is False and isinstance(required, list) and any(
                 isinstance(n, str) and n not in own and not _may_match(patterns, n) for n in required):
-            raise _CannotMerge("a required property the other part forbids")  # the two match nothing
+            raise _Unsatisfiable("a property one part requires the other forbids")
     props = out.get("properties")
     if not isinstance(props, dict):
         return
@@ -601,7 +697,7 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         for name in [n for n in props if n not in own and not _may_match(patterns, n)]:
             if extra is False:
                 if name in out.get("required", []):
-                    raise _CannotMerge(f"property {name!r} is required and forbidden")
+                    raise _Unsatisfiable(f"property {name!r} is required by one part and forbidden by the other")
                 del props[name]
             else:
                 props[name] = merge(props[name], extra)
@@ -704,8 +800,10 @@ def _intersect_types(a: Any, b: Any) -> Any:
     ta, tb = _types(a), _types(b)
     out = [t for t in ta if t in tb]
     out += [t for t in ("integer",) if t not in out and ((t in ta and "number" in tb) or (t in tb and "number" in ta))]
+    if not out and set(ta) <= _TYPE_NAMES and set(tb) <= _TYPE_NAMES and ta and tb:
+        raise _Unsatisfiable(f"its parts' types {a!r} and {b!r} have no value in common")
     if not out:
-        raise _CannotMerge("types with nothing in common")
+        raise _CannotMerge("types with nothing in common")  # a name that is no JSON type among them
     return out[0] if len(out) == 1 else out
 
 
