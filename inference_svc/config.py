@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from inference_svc.api.model_family import bundled_names
@@ -26,14 +26,27 @@ LM_HEAD_KERNEL_CHOICES = ("auto", "plain")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
+# (max_num_seqs, max_num_batched_tokens) where the flags are 0. A CPU step's cost grows with its tokens (the
+# sizes its benchmarks were run at); a GPU's forward costs about the same from 1 to hundreds of tokens, so it
+# takes vLLM's OpenAI-server sizes, larger on a GPU of 70 GiB or more that is not an A100 (vLLM measured large
+# token budgets lowering an A100's throughput, its PR 17885).
+CPU_BATCH = (64, 512)
+GPU_BATCH = (256, 2048)
+LARGE_GPU_BATCH = (1024, 8192)
+LARGE_GPU_BYTES = 70 * 2**30
+# The largest compile bucket by default: a step of more tokens (a prefill) runs eagerly, where its compute,
+# not its kernel launches, is what it costs; each bucket more is one more compile at start.
+MAX_DEFAULT_BUCKET = 512
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the step loop and scheduler need (no network, no model loading)."""
 
-    # Requests in the running batch at once.
-    max_num_seqs: int = 64
-    # Tokens fed to one forward pass (prefill chunks + decodes + jump-forward runs).
-    max_num_batched_tokens: int = 512
+    # Requests in the running batch at once (0: sized by the device at start, see sized_for).
+    max_num_seqs: int = 0
+    # Tokens fed to one forward pass (prefill chunks + decodes + jump-forward runs; 0: sized by the device).
+    max_num_batched_tokens: int = 0
     # Requests waiting for admission (grammar compiling included) before RESOURCE_EXHAUSTED.
     max_waiting: int = 1024
     default_max_tokens: int = 256
@@ -58,6 +71,21 @@ class EngineConfig:
     max_n: int = 16
     # Full KV blocks keep their computed prefix for later requests with the same tokens (paged_kv.py).
     prefix_caching: bool = True
+
+    def sized_for(self, device_type: str, memory_bytes: int = 0, device_name: str = "") -> "EngineConfig":
+        """This config with a 0 max_num_seqs / max_num_batched_tokens replaced by the device's sizes: a
+        CPU's, a GPU's, or a large GPU's (memory_bytes at least LARGE_GPU_BYTES, not an A100), as vLLM's
+        OpenAI server sizes them; the ones given are kept."""
+        if self.max_num_seqs and self.max_num_batched_tokens:
+            return self
+        if device_type != "cuda":
+            seqs, tokens = CPU_BATCH
+        elif memory_bytes >= LARGE_GPU_BYTES and "a100" not in device_name.lower():
+            seqs, tokens = LARGE_GPU_BATCH
+        else:
+            seqs, tokens = GPU_BATCH
+        return replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                       max_num_batched_tokens=self.max_num_batched_tokens or tokens)
 
 
 @dataclass(frozen=True)
@@ -164,8 +192,8 @@ class InferenceServiceConfig:
             problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization:g}: use a fraction in (0, 1]")
         if self.simulate_step_ms < 0:
             problems.append("--simulate-step-ms must be >= 0")
-        if e.max_num_seqs < 1 or e.max_num_batched_tokens < 1:
-            problems.append("--max-num-seqs and --max-num-batched-tokens must be at least 1")
+        if e.max_num_seqs < 0 or e.max_num_batched_tokens < 0:
+            problems.append("--max-num-seqs and --max-num-batched-tokens must be at least 0 (0: sized by device)")
         if self.grammar_step_timeout_seconds <= 0:
             problems.append("--grammar-step-timeout-seconds must be positive")
         if e.schema_check_timeout_seconds <= 0:
@@ -204,7 +232,9 @@ class InferenceServiceConfig:
         return (self.device or default_device()).startswith("cuda")
 
     def bucket_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.compile_buckets))) or bucket_sizes(self.engine.max_num_batched_tokens)
+        budget = self.engine.max_num_batched_tokens  # 0 (by device) is MAX_DEFAULT_BUCKET or more everywhere
+        return tuple(sorted(set(self.compile_buckets))) or bucket_sizes(min(budget or MAX_DEFAULT_BUCKET,
+                                                                            MAX_DEFAULT_BUCKET))
 
     def torch_threads(self) -> int:
         return self.num_threads or max(1, (os.cpu_count() or 2) // 2)
@@ -252,7 +282,8 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
                                   "graphs; off on CPU, where it gains a few percent of a step for minutes of "
                                   "compiling), off, default or max-autotune; compiled once per bucket at start-up")
     f.add("--compile-buckets", "", "token counts the body is compiled for, comma-separated; a step pads to the "
-                                   "next one (default: powers of two up to --max-num-batched-tokens)")
+                                   "next one (default: powers of two up to --max-num-batched-tokens, at most "
+                                   f"{MAX_DEFAULT_BUCKET}; a larger step runs eagerly)")
     f.add("--compile-cache-dir", None, "inductor's on-disk cache of compiled kernels, reused across restarts "
                                        "(default ~/.cache/structd/inductor)", kind=Path)
     f.add("--kv-cache-bytes", d.kv_cache_bytes, "the KV cache's bytes per rank; 0: on CUDA what "
@@ -261,8 +292,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: dict[str, str]) -> None:
     f.add("--gpu-memory-utilization", d.gpu_memory_utilization,
           "with --kv-cache-bytes 0 on CUDA: the fraction of the device's memory this service may use in all")
     f.add("--block-size", d.block_size)
-    f.add("--max-num-seqs", e.max_num_seqs)
-    f.add("--max-num-batched-tokens", e.max_num_batched_tokens)
+    f.add("--max-num-seqs", e.max_num_seqs,
+          f"requests in the running batch at once; 0: by device (CPU {CPU_BATCH[0]}, GPU {GPU_BATCH[0]}, "
+          f"{LARGE_GPU_BATCH[0]} on a GPU of {LARGE_GPU_BYTES // 2**30} GiB or more other than an A100)")
+    f.add("--max-num-batched-tokens", e.max_num_batched_tokens,
+          f"tokens in one forward; 0: by device (CPU {CPU_BATCH[1]}, GPU {GPU_BATCH[1]}, large GPU "
+          f"{LARGE_GPU_BATCH[1]})")
     f.add("--max-waiting", e.max_waiting)
     f.add("--default-max-tokens", e.default_max_tokens)
     f.add("--max-model-len", e.max_model_len)

@@ -152,10 +152,29 @@ def test_cuda_graphs_only_on_cuda(mode, device, want):
                  (1, 2, 4, 8, 16, 32, 64), id="buckets-follow-batch-budget"),
     pytest.param(["--compile-buckets", "32,8,8"], {"STRUCTD_INFERENCE_COMPILE": "default"}, "cpu", "default",
                  (8, 32), id="env-twin-and-buckets"),
+    # A large GPU's budget (or one given): larger steps run eagerly rather than compile fourteen buckets.
+    pytest.param(["--max-num-batched-tokens", "8192"], {}, "cuda", "default",
+                 (1, 2, 4, 8, 16, 32, 64, 128, 256, 512), id="buckets-stop-at-512"),
 ])
 def test_compile_flags(argv, env, device, mode, buckets):
     config = inference_config(argv, env)
     assert config.compile_mode(device) == mode and config.bucket_sizes() == buckets
+
+
+@pytest.mark.parametrize("engine, device, memory_gib, name, want", [
+    pytest.param({}, "cpu", 0, "", (64, 512), id="cpu"),
+    pytest.param({}, "cuda", 24, "NVIDIA L4", (256, 2048), id="gpu"),
+    pytest.param({}, "cuda", 80, "NVIDIA A100-SXM4-80GB", (256, 2048), id="a100-not-large"),
+    pytest.param({}, "cuda", 80, "NVIDIA H100 80GB HBM3", (1024, 8192), id="h100-large"),
+    pytest.param({}, "cuda", 140, "NVIDIA H200", (1024, 8192), id="h200-large"),
+    pytest.param({"max_num_seqs": 32}, "cuda", 140, "NVIDIA H200", (32, 8192), id="given-seqs-kept"),
+    pytest.param({"max_num_batched_tokens": 96}, "cpu", 0, "", (64, 96), id="given-tokens-kept"),
+])
+def test_the_batch_is_sized_by_the_device_where_it_was_left_to_it(engine, device, memory_gib, name, want):
+    from inference_svc.config import EngineConfig
+
+    got = EngineConfig(**engine).sized_for(device, memory_gib * 2**30, name)
+    assert (got.max_num_seqs, got.max_num_batched_tokens) == want
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -199,6 +218,17 @@ def test_the_model_loads_on_the_thread_that_runs_its_forwards(inference_server):
     engine = inference_server.server.engine
     forward_thread = engine._executor.submit(lambda: threading.current_thread().name).result(30)
     assert inference_server.server.stack.loaded_on == forward_thread
+
+
+def test_the_service_sizes_the_batch_left_to_the_device_as_the_engine_and_kv_budget_see_it():
+    """`structd inference` without --max-num-seqs / --max-num-batched-tokens: what the assembly gives the
+    scheduler (and load_runner the KV budget and compile buckets) on a CPU; given flags are kept."""
+    from inference_svc.core.assembly import sized_for_device
+
+    left = sized_for_device(inference_config([]), "cpu").engine
+    assert (left.max_num_seqs, left.max_num_batched_tokens) == (64, 512)
+    given = sized_for_device(inference_config(["--max-num-seqs", "8"]), "cpu").engine
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (8, 512)
 
 
 def test_a_thread_that_did_not_import_cudagraph_trees_gets_its_own_state():

@@ -17,14 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from inference_svc.config import DEFAULT_KV_CACHE_BYTES, InferenceServiceConfig
 from inference_svc.engine.engine import Engine, TokenizerView
 from inference_svc.grammar.grammar_tier import GrammarTier
 from inference_svc.metrics import InferenceMetrics
-from inference_svc.model.model_loading import ModelInfo, ModelSource, resolve_model
+from inference_svc.model.model_loading import ModelInfo, ModelSource, default_device, resolve_model
 from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend
 from inference_svc.model.tensor_parallel import RankInfo, TensorParallelRunner, agree_on_least, init_group
 
@@ -78,12 +78,13 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     """
     import torch
 
-    from inference_svc.model.model_loading import default_device, load_model, resolve_on_group
+    from inference_svc.model.model_loading import load_model, resolve_on_group
     from inference_svc.model.model_runner import PagedModelRunner
     from shared.tokenizer import load_hf_tokenizer
 
     started = time.perf_counter()
     device = config.device or default_device()
+    config = sized_for_device(config, device)
     if device == "cpu":
         torch.set_num_threads(config.torch_threads())
     elif device.startswith("cuda") and rank is None and torch.device(device).index is not None:
@@ -130,6 +131,21 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     eos_ids = eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
     return runner, tok, eos_ids, model.config.max_position_embeddings, info(str(model.dtype).removeprefix("torch."))
+
+
+def sized_for_device(config: InferenceServiceConfig, device: str) -> InferenceServiceConfig:
+    """config with the engine's batch sizes that were left to the device (0) set for `device` (the same answer
+    on every call and every rank: what a device is does not change)."""
+    if config.engine.max_num_seqs and config.engine.max_num_batched_tokens:
+        return config
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.device(device))
+        engine = config.engine.sized_for("cuda", props.total_memory, props.name)
+    else:
+        engine = config.engine.sized_for("cpu")
+    return replace(config, engine=engine)
 
 
 def kv_cache_bytes(config: InferenceServiceConfig, model, rank: RankInfo | None) -> int:
@@ -227,7 +243,10 @@ class EngineAssembly:
         device_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-device")
         def load():
             self.loaded_on = threading.current_thread().name
-            return load_runner(c, self.rank, self.source)
+            loaded = load_runner(c, self.rank, self.source)
+            # The sizes load_runner gave the KV cache and the compiled body, for the engine's scheduler too.
+            self.config = sized_for_device(c, c.device or default_device())
+            return loaded
 
         try:
             runner, tok, eos_ids, max_model_len, info = await asyncio.get_running_loop().run_in_executor(
@@ -237,6 +256,9 @@ class EngineAssembly:
             raise
         self.runner = runner
         self.metrics.kv_cache_bytes.set(runner.kv_cache_bytes)
+        e = self.config.engine
+        log.info("batch: up to %d sequences and %d tokens a step%s", e.max_num_seqs, e.max_num_batched_tokens,
+                 "" if c.engine.max_num_seqs and c.engine.max_num_batched_tokens else " (sized by the device)")
         log.info("model %s ready in %.1f s (served as %s; vocab %d; %s)", info.source.model_id, info.load_seconds,
                  info.served_name, runner.vocab_size,
                  "simulated" if c.simulate_step_ms else f"{info.dtype} on {info.device}")
@@ -248,7 +270,7 @@ class EngineAssembly:
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)
-        self.engine = Engine(runner=runner, tokenizer=view, grammar=self.grammar, config=c.engine,
+        self.engine = Engine(runner=runner, tokenizer=view, grammar=self.grammar, config=self.config.engine,
                              metrics=self.metrics, max_model_len=max_model_len, on_fatal=self.on_fatal,
                              device_thread=device_thread)
         self.served = ServedModel(info, self.engine.max_model_len, len(view.token_bytes))

@@ -122,6 +122,8 @@ class Engine:
         self.runner = runner
         self.tok = tokenizer
         self.grammar = grammar
+        # The assembly sizes the batch for the device; an engine built without it (tests) gets a CPU's sizes.
+        config = config.sized_for("cpu")
         self.config = config
         self.metrics = metrics
         self.on_fatal = on_fatal
