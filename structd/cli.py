@@ -109,8 +109,10 @@ BENCHMARKS = [
      "ratios measured in one process."),
     ("compiled-body", "structd.bench.compiled_body",
      "compiled-body: the compiled model body (--compile) vs the eager one, interleaved",
-     "The embedded model's forward at decode N = 1, 5, 8, 32 and a 128-token prefill, eager and each compile mode "
-     "alternating rep by rep in one process: medians, eager/compiled ratios and greedy agreement."),
+     "The embedded model's forward (or --host-model's, whose time is host work) at decode N = 1, 5, 8, 32 "
+     "(--decodes), a 128-token prefill and with --mixed a mixed step, eager and each compile mode alternating rep by "
+     "rep in one process: medians (wall and thread CPU), eager/compiled ratios, the eager step's aten ops and greedy "
+     "agreement."),
     ("lm-head", "structd.bench.lm_head",
      "lm-head: the LM head's kernels (F.linear vs oneDNN over the reordered weight) at 1 to 64 rows, interleaved",
      "The embedded model's 129,280 x 256 head at 1 to 64 rows with each kernel of inference_svc/model/head/lm_head.py, "

@@ -28,7 +28,23 @@ def test_eager_only_run_through_the_cli(tmp_path, capsys):
     assert "| prefill 128 |" in capsys.readouterr().out
 
 
+def test_host_model_with_a_mixed_step(tmp_path):
+    rc = cli.main(["bench", "compiled-body", "--out", str(tmp_path), "--modes", "", "--reps", "1", "--host-model",
+                   "--decodes", "2", "--mixed"])
+    assert rc == 0
+    steps = json.loads((tmp_path / "compiled-body.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["decode N=2 (pads to 8)", "prefill 128",
+                                          "mixed: 30 decodes, extend 3, prefill 64, chunk 32"]
+    for s in steps:
+        assert s["median_cpu_ms"]["eager"] > 0 and s["greedy_equal"] == {"eager": True}
+    # Each of the 24 layers dispatches ops; the mixed step attends three plans per layer, the decode step one.
+    assert 24 < steps[0]["eager_aten_ops"] < steps[2]["eager_aten_ops"]
+
+
 def test_bad_buckets_is_a_usage_error(tmp_path, capsys):
     rc = cli.main(["bench", "compiled-body", "--out", str(tmp_path), "--buckets", "1,eight"])
     assert rc == 2
     assert "--buckets" in capsys.readouterr().err
+    rc = cli.main(["bench", "compiled-body", "--out", str(tmp_path), "--decodes", "0"])
+    assert rc == 2
+    assert "--decodes" in capsys.readouterr().err

@@ -94,3 +94,8 @@ def test_cache_tensors_and_write():
     k_flat, v_flat = cache.flat(1)
     assert torch.equal(k_flat[slots], k) and torch.equal(v_flat[slots], v)
     assert cache.key[0].abs().sum() == 0  # other layers untouched
+    # The attention's write: transformers' [1, kv_heads, n, head_dim] layout, into the same slots.
+    other = PagedKVCache(spec, num_blocks=10)
+    assert other.write_heads_first(1, slots, k.transpose(0, 1)[None], v.transpose(0, 1)[None]) == other.flat(1)
+    assert torch.equal(other.key[1], cache.key[1]) and torch.equal(other.value[1], cache.value[1])
+    assert other.key[0].abs().sum() == 0

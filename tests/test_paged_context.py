@@ -11,12 +11,14 @@ transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from inference_svc.model.attention import PagedAttentionContext
+from inference_svc.model.attention import CONTEXT_KWARG, PagedAttentionContext, paged_attention_forward
 from inference_svc.model.paged_kv import KVCacheSpec, PagedKVCache
 from tests.paged_context_reference import reference_context
 
@@ -123,3 +125,34 @@ def test_block_table_rows_follow_the_lists():
     for s, row in zip(live, rows.tolist()):
         table = blocks.block_table(s)
         assert row == table + [-1] * (width - len(table))
+
+
+@pytest.mark.parametrize("seed, block_size", [
+    pytest.param(1, 1, id="block-1"),
+    pytest.param(2, 4, id="block-4"),
+    pytest.param(3, 16, id="block-16"),
+])
+def test_an_all_decode_step_attends_as_the_general_path_does(seed, block_size):
+    """A step of decodes alone returns the decode group's attention as is; the general path (the group's query
+    rows gathered, its output rows scattered into the step's) gives the same bits."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    cache = PagedKVCache(KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=block_size), 256)
+    blocks = cache.blocks
+    lens = [rng.randint(1, 40) for _ in range(7)]
+    for seq, n in enumerate(lens):
+        blocks.allocate(seq, n + 1)
+        slots = torch.tensor(blocks.slot_mapping(seq, 0, n))
+        cache.write(0, slots, torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 8, generator=gen))
+    order = list(range(len(lens)))
+    rng.shuffle(order)
+    ctx = PagedAttentionContext.build(cache, [1] * len(order), [lens[s] for s in order],
+                                      blocks.block_tables(order), torch.device("cpu"))
+    general = dataclasses.replace(ctx, decodes=dataclasses.replace(ctx.decodes, whole_step=False))
+    assert ctx.decodes.whole_step
+    q = torch.randn(1, len(order), 4, 8, generator=gen).transpose(1, 2)  # transformers' layout: a view
+    k, v = (torch.randn(1, len(order), 2, 8, generator=gen).transpose(1, 2) for _ in range(2))
+    layer = SimpleNamespace(layer_idx=0)
+    got, _ = paged_attention_forward(layer, q, k, v, None, **{CONTEXT_KWARG: ctx})
+    want, _ = paged_attention_forward(layer, q, k, v, None, **{CONTEXT_KWARG: general})
+    assert got.shape == want.shape == (1, len(order), 4, 8) and torch.equal(got, want)

@@ -51,6 +51,7 @@ class DecodeGroup:
     token_index: torch.Tensor  # [B] their tokens' indices in the packed row
     slots: torch.Tensor  # [B, max_len] flat KV slots of each context (padding points at slot 0)
     mask: torch.Tensor  # [B, 1, 1, max_len] bool, True = attend (hides the padding)
+    whole_step: bool = False  # they are all the step's tokens, in order (token_index is 0..B-1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class KernelPlan:
     positions: torch.Tensor  # [K] their positions (each attends to 0..its own)
     longest: int = 0  # keys the longest of them attends to (sizes the kernel's context split)
     splits: int | None = None  # parts per program's keys; None: the kernel's choice for the device
+    whole_step: bool = False  # they are all the step's tokens, in order (token_index is 0..K-1)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class PagedAttentionContext:
             index = (~to_sdpa[seq_of]).nonzero()[:, 0]
             if len(index):
                 at = positions[index]
-                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), int(at.max()) + 1)
+                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), int(at.max()) + 1,
+                                    whole_step=len(index) == len(seq_of))
             decode_ids = []  # the kernel has them
 
         decodes = None
@@ -158,6 +161,7 @@ class PagedAttentionContext:
                 token_index=ids.to(device) if all_decode else (ends[ids] - 1).to(device),
                 slots=slots.to(device),
                 mask=valid[:, None, None, :].to(device),
+                whole_step=all_decode,
             )
 
         chunks = []
@@ -211,46 +215,77 @@ def paged_attention_forward(
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
-    q = query[0]  # [H, T, D]
-    k_new = key[0].transpose(0, 1)  # [T, kvH, D]
-    v_new = value[0].transpose(0, 1)
     cache = ctx.kv_cache
-    cache.write(module.layer_idx, ctx.slot_mapping, k_new, v_new)
-    k_all, v_all = cache.flat(module.layer_idx)
+    k_all, v_all = cache.write_heads_first(module.layer_idx, ctx.slot_mapping, key, value)
+    # This runs once per layer of every step, each op a dispatch (and a launch on a GPU): a step that one plan
+    # covers whole (all decodes, one prefill) returns that plan's attention as is, with no output tensor to
+    # scatter rows into nor query rows to gather (docs/benchmarks.md, "Host work of an eager step"). Every
+    # token is in one plan, so a plan alone in the step holds all its tokens.
+    kp, d = ctx.kernel, ctx.decodes
+    if kp is not None and kp.whole_step:
+        return paged_attention(
+            query[0].transpose(0, 1), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
+            cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
+            splits=kp.splits)[None], None
+    if d is not None and d.whole_step:
+        od = _decode_attention(query.transpose(1, 2), k_all, v_all, d, num_kv_heads, scaling)
+        return od.reshape(1, num_tokens, num_heads, head_dim), None
+    if kp is None and d is None and len(ctx.chunks) == 1:
+        return _chunk_attention(query, key, value, k_all, v_all, ctx.chunks[0], groups, scaling, whole=True), None
+
+    q = query[0].transpose(0, 1)  # [T, H, D]
     out = query.new_empty(num_tokens, num_heads, head_dim)
-
-    if ctx.kernel is not None:
-        kp = ctx.kernel
+    if kp is not None:
         out[kp.token_index] = paged_attention(
-            q.transpose(0, 1).index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index,
-            kp.positions, cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5,
-            longest=kp.longest, splits=kp.splits)
-
-    if ctx.decodes is not None:
-        d = ctx.decodes
-        batch = d.token_index.shape[0]
-        # One query per sequence: fold the query heads of each KV head group
-        # into the query-length axis, so SDPA needs neither repeat_kv nor GQA
-        # support ([B, kvH, groups, D] against [B, kvH, L, D]).
-        qd = q.index_select(1, d.token_index).transpose(0, 1).reshape(batch, num_kv_heads, groups, head_dim)
-        kd = k_all[d.slots].to(q.dtype).permute(0, 2, 1, 3)
-        vd = v_all[d.slots].to(q.dtype).permute(0, 2, 1, 3)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scaling)
-        out[d.token_index] = od.reshape(batch, num_heads, head_dim)
-
+            q.index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
+            cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
+            splits=kp.splits)
+    if d is not None:
+        od = _decode_attention(q.index_select(0, d.token_index), k_all, v_all, d, num_kv_heads, scaling)
+        out[d.token_index] = od.reshape(-1, num_heads, head_dim)
     for c in ctx.chunks:
-        qc = q[None, :, c.q_start : c.q_end]
-        if c.slots is None:
-            kc, vc = key[:, :, c.q_start : c.q_end], value[:, :, c.q_start : c.q_end]
-        else:
-            kc = k_all[c.slots].to(q.dtype).transpose(0, 1)[None]
-            vc = v_all[c.slots].to(q.dtype).transpose(0, 1)[None]
-        oc = F.scaled_dot_product_attention(
-            qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scaling, enable_gqa=groups > 1
-        )
-        out[c.q_start : c.q_end] = oc[0].transpose(0, 1)
-
+        out[c.q_start : c.q_end] = _chunk_attention(query, key, value, k_all, v_all, c, groups, scaling)[0]
     return out[None], None
+
+
+def _decode_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, d: DecodeGroup,
+                      num_kv_heads: int, scaling: float | None) -> torch.Tensor:
+    """[B, kvH, groups, D] attention of the decode group's B queries (q: their [..., H, D] rows in order) over
+    their padded contexts."""
+    batch, head_dim = d.slots.shape[0], q.shape[-1]
+    # One query per sequence: fold the query heads of each KV head group
+    # into the query-length axis, so SDPA needs neither repeat_kv nor GQA
+    # support ([B, kvH, groups, D] against [B, kvH, L, D]).
+    qd = q.reshape(batch, num_kv_heads, -1, head_dim)
+    # index_select over the flat slots, not k_all[d.slots]: the same rows, and on the CPU the row copy
+    # beats advanced indexing's per-element gather several times over.
+    rows = d.slots.view(-1)
+    kd = _as(k_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    vd = _as(v_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scaling)
+
+
+def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_all: torch.Tensor,
+                     v_all: torch.Tensor, c: ChunkPlan, groups: int, scaling: float | None,
+                     whole: bool = False) -> torch.Tensor:
+    """[1, n, H, D] attention of one chunk's n queries, causal over its context; whole: the chunk is the
+    step's every token (no rows to slice out)."""
+    rows = slice(c.q_start, c.q_end)
+    qc = query if whole else query[:, :, rows]
+    if c.slots is None:
+        kc, vc = (key, value) if whole else (key[:, :, rows], value[:, :, rows])
+    else:
+        kc = _as(k_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
+        vc = _as(v_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
+    oc = F.scaled_dot_product_attention(
+        qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scaling, enable_gqa=groups > 1
+    )
+    return oc.transpose(1, 2)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A same-dtype .to() returns t but still costs a dispatch, per layer; the cache's dtype is usually the model's.
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def register() -> str:

@@ -408,6 +408,11 @@ class PagedKVCache:
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.key = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
         self.value = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for _ in range(spec.num_layers)]
+        # The views made once: every layer of every step uses them, and making a view is a dispatched op.
+        tail = (spec.num_kv_heads, spec.head_dim)
+        self._flat = [(k.view(-1, *tail), v.view(-1, *tail)) for k, v in zip(self.key, self.value)]
+        # [1, num_kv_heads, num_slots, head_dim]: transformers' layout of a layer's keys and values.
+        self._heads_first = [(k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]) for k, v in self._flat]
 
     @property
     def num_slots(self) -> int:
@@ -415,11 +420,19 @@ class PagedKVCache:
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values as [num_slots, num_kv_heads, head_dim] views."""
-        tail = (self.spec.num_kv_heads, self.spec.head_dim)
-        return self.key[layer].view(-1, *tail), self.value[layer].view(-1, *tail)
+        return self._flat[layer]
 
     def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores key/value [n, num_kv_heads, head_dim] at flat slots [n]."""
-        k_flat, v_flat = self.flat(layer)
+        k_flat, v_flat = self._flat[layer]
         k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
         v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+
+    def write_heads_first(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` for key/value as transformers' attention gets them, [1, num_kv_heads, n, head_dim], with no
+        view or copy to the flat layout first (a layer's write is then two ops); returns flat(layer)."""
+        k_heads, v_heads = self._heads_first[layer]
+        k_heads.index_copy_(2, slots, key if key.dtype == k_heads.dtype else key.to(k_heads.dtype))
+        v_heads.index_copy_(2, slots, value if value.dtype == v_heads.dtype else value.to(v_heads.dtype))
+        return self._flat[layer]
