@@ -275,6 +275,24 @@ def test_what_cannot_be_merged_exactly_is_left_as_written(schema):
     assert normalised_schema_text(json.dumps(schema)) == json.dumps(schema)
 
 
+NO_VALUE = {"type": "string", "enum": [1]}  # normalised to `false`
+
+
+@pytest.mark.parametrize("schema, xgrammar_properties", [
+    pytest.param({"type": "object", "properties": {"a": NO_VALUE, "b": {}}}, {"b": {}}, id="unlisted"),
+    pytest.param({"properties": {"a": NO_VALUE, "b": {}}, "required": "a"}, {"b": {}},
+                 id="required-not-a-list-unlisted"),
+    pytest.param({"properties": {"a": NO_VALUE, "b": {}}, "required": ["a"]}, {"a": False, "b": {}},
+                 id="required-kept"),
+    *(pytest.param({"properties": {"a": NO_VALUE}, k: {}}, {"a": False}, id=f"beside-{k}-kept")
+      for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")),
+])
+def test_a_false_property_on_an_object_strict_mode_closes_is_unlisted_for_xgrammar(schema, xgrammar_properties):
+    # xgrammar refuses a `false` property schema; its strict mode closes an object that names no other properties.
+    assert json.loads(normalised_schema_text(json.dumps(schema), for_xgrammar=True))["properties"] == \
+        xgrammar_properties
+    assert "a" in json.loads(normalised_schema_text(json.dumps(schema)))["properties"]  # llguidance's: the `false`
+
 def test_all_of_bounds_merge_to_the_tighter_of_each():
     merged = normalise_schema({"allOf": [{"type": "string", "minLength": 1, "maxLength": 9, "exclusiveMinimum": 0},
                                          {"minLength": 3, "maxLength": 5, "exclusiveMinimum": 2}]})

@@ -140,7 +140,7 @@ def normalise_schema(schema: Any, budget: int | None = None) -> Any:
                              node_budget(schema) if budget is None else budget)
     out = normaliser.node(schema)
     if out is False:
-        raise InvalidGrammarError(f"json_schema matches nothing: {normaliser.why('/')}; correct the part named "
+        raise InvalidGrammarError(f"json_schema matches nothing: {normaliser.notes['/']}; correct the part named "
                                   "last")
     # Merges share subtrees between places, so what json.dumps writes may be larger than what was built.
     if isinstance(out, dict):  # else the boolean schema an allOf of `false` merged into: nothing to measure
@@ -212,21 +212,16 @@ class _Normaliser:
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
         self._targets: dict[str, Any] = {}  # normalised $ref targets
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
-        self._notes: dict[str, str] = {}  # path -> why the node there became `false`
-        self._last_note = ""
+        self.notes: dict[str, str] = {}  # path -> why the node there became `false` (the root's: always noted)
 
     def _here(self, *more: str) -> str:
         return "/" + "/".join([*self._path, *(m.replace("~", "~0").replace("/", "~1") for m in more)])
-
-    def why(self, path: str) -> str:
-        """Why the node at `path` (a _here() path) is `false`, with the reasons of the parts that made it so."""
-        return self._notes.get(path, f"at {path}, the schema is `false`")
 
     def _false(self, why: str, cause: str = "") -> bool:
         """`false` for the node being worked on, noting why (and `cause`, the note of the part that made it so)."""
         here = self._here()
         note = f"at {'the root' if here == '/' else here}, {why}"
-        self._last_note = self._notes[here] = f"{note}; {cause}" if cause else note
+        self._last_note = self.notes[here] = f"{note}; {cause}" if cause else note
         return False
 
     def _spend(self) -> None:
@@ -265,7 +260,6 @@ class _Normaliser:
                 return self._false("no case of its if/then accepts a value", self._last_note)
         if isinstance(out.get("allOf"), list) and out["allOf"]:
             parts = [self._here("allOf", str(i)) for i in range(len(out["allOf"]))]
-            self._last_note = ""
             try:
                 out = self._merge_all_of(out)
             except _CannotMerge:
@@ -273,7 +267,7 @@ class _Normaliser:
             if not isinstance(out, dict):
                 # `{"allOf": [false]}`, or parts with no value in common: the schema `false`
                 return self._false("its allOf parts have no value in common",
-                                   next((self._notes[p] for p in parts if p in self._notes), self._last_note))
+                                   next((self.notes[p] for p in parts if p in self.notes), ""))
         for key in ("anyOf", "oneOf"):
             if isinstance(out.get(key), list) and out[key] and not ("anyOf" in out and "oneOf" in out):
                 try:
@@ -284,12 +278,12 @@ class _Normaliser:
                 # A branch that is `false` matches nothing (xgrammar refuses it): dropped.
                 if not any(b is not False for b in out[key]):
                     return self._false(f"every branch of its {key} accepts no value",
-                                       self._notes.get(self._here(key, "0"), ""))
+                                       self.notes.get(self._here(key, "0"), ""))
                 out = {**out, key: [b for b in out[key] if b is not False]}
         found = _unsatisfiable(out)
         if found is not None:
             why, part = found
-            return self._false(why, self._notes.get(self._here(*part), "") if part else "")
+            return self._false(why, self.notes.get(self._here(*part), "") if part else "")
         if isinstance(out.get("oneOf"), list):
             out = _one_of_told_apart(out)
         if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
@@ -616,8 +610,9 @@ def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
             return f"its items accept no value and its minItems is {min_items}", ("items",)
         for key in ("prefixItems", "items"):
             prefix = node.get(key)
-            if isinstance(prefix, list) and False in prefix and prefix.index(False) < min_items:
-                i = prefix.index(False)
+            # `is`, not `in`/index: 0 == False in Python
+            i = next((i for i, v in enumerate(prefix) if v is False), None) if isinstance(prefix, list) else None
+            if i is not None and i < min_items:
                 return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
     return None
 
