@@ -2,6 +2,12 @@
 
 The compile runs inductor for real (g++ on CPU); one small bucket keeps it
 near half a minute on 2 cores, and steps above it exercise the eager fallback.
+Its kernels go to the machine's compile cache (`--compile-cache-dir`'s
+default), as a server's do: a later run on the same machine traces again and
+loads them instead of calling g++, as a restarted server does. Inductor keys
+them by the traced graph, its config, torch and the compiler, so a change to
+the model code, the attention op's signature or the compile settings compiles
+again.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import pytest
 import torch
 
 from inference_svc.config import bucket_sizes
-from inference_svc.model.compiled_forward import CompiledBody, CompileSettings, adopt_cudagraph_state, inductor_mode
+from inference_svc.model.compiled_forward import (CompiledBody, CompileSettings, adopt_cudagraph_state,
+                                                  default_compile_cache_dir, inductor_mode)
 from inference_svc.model.embedded_model import EmbeddedModelSpec, ensure_embedded_model
 from inference_svc.model.model_loading import load_model
 from inference_svc.model.model_runner import PagedModelRunner, SequenceChunk, StepBatch
@@ -35,7 +42,7 @@ def runners(tmp_path_factory):
         spec = KVCacheSpec.from_model_config(model.config, torch.float32, 4)
         runner = PagedModelRunner(model, PagedKVCache(spec, 256))
         if compiled:
-            settings = CompileSettings("default", (BUCKET,), tmp_path_factory.mktemp("inductor"))
+            settings = CompileSettings("default", (BUCKET,), default_compile_cache_dir())
             CompiledBody.install(model, settings, progress=lines.append)
         return runner
 
