@@ -604,7 +604,7 @@ def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
         for name in node["required"]:
             if isinstance(name, str) and node["properties"].get(name) is False:
                 return f"its required property {name!r} accepts no value", ("properties", name)
-    min_items = node.get("minItems", 0)
+    min_items = node.get("minItems")  # none: 0, which no rule below applies to
     if types == ["array"] and _numbers(min_items):
         if node.get("items") is False and min_items >= 1:
             return f"its items accept no value and its minItems is {min_items}", ("items",)
