@@ -39,7 +39,7 @@ CASES = {
     "decode-mha-3-heads": ([1, 1], [9, 33], 3, 3, 4, "float32"),
     # A chunk over cached context longer than KERNEL_MAX_QUERY goes to SDPA beside the kernel's decode.
     "long-extend-beside-a-decode": ([20, 1], [6, 11], 4, 2, 4, "float32"),
-    # Split context (SPLITS below): parts past a short context are empty; parts not a whole number of tiles.
+    # Split context (SPLITS below): parts past a short context are empty; a last part shorter than a tile.
     "decode-split-context": ([1, 1, 1], [700, 70, 5], 4, 2, 16, "float32"),
     "extend-split-context-bf16": ([3, 1], [400, 90], 8, 2, 16, "bfloat16"),
     "decode-split-uneven-parts": ([1, 1], [129, 40], 14, 2, 4, "float32", 24),

@@ -95,7 +95,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Triton compiles a variant per specialisation of an int argument (1, a multiple of 16): these change from
+    # step to step, and a new variant compiled on the forward thread is a stall in serving.
+    @triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits"])
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,
@@ -175,8 +177,8 @@ def paged_attention(
                   if query.device.type == "cuda" else 1)
     if splits > 1 and longest < splits:
         raise ValueError(f"{splits} splits of a longest context of {longest} keys")
-    # Unsplit, one part covers any context (positions are int32 in the kernel).
-    keys_per_split = -(-longest // splits) if splits > 1 else 2**30
+    # Parts of whole tiles (a part's loads start on a tile); unsplit, one part covers any context.
+    keys_per_split = -(-longest // (splits * BLOCK_N)) * BLOCK_N if splits > 1 else 2**30
     partial = splits > 1
     if partial:
         part_m = torch.empty(tokens, heads, splits, dtype=torch.float32, device=query.device)
