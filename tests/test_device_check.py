@@ -159,6 +159,24 @@ def test_gpu_plan_covers_the_issue():
     assert steps[1].env == {"CUDA_LAUNCH_BLOCKING": "1"}
 
 
+@pytest.mark.parametrize("only, smoke, want", [
+    pytest.param("", False, {"setup", "correctness", "realistic"}, id="gpu-default-one-calls-worth"),
+    pytest.param("", True, None, id="smoke-everything"),
+    pytest.param("all", False, None, id="all"),
+    pytest.param("large", False, {"setup", "large"}, id="second-call"),
+    pytest.param("host, correctness", False, {"setup", "host", "correctness"}, id="listed"),
+])
+def test_a_call_runs_the_phases_its_only_names(only, smoke, want):
+    """Without --only a GPU call runs what its budget holds; the 8B shape and the host path are not started
+    with what is left (the first re-plan began an 8B run it then cut off)."""
+    assert device_plan.phases_for(only, smoke) == want
+
+
+def test_an_unknown_phase_is_refused_naming_the_phases():
+    with pytest.raises(ValueError, match="no phase gpu .*realistic, large, host, or all"):
+        device_plan.phases_for("gpu", False)
+
+
 def test_the_correctness_phase_runs_every_cuda_marked_test_file():
     """A new `-m cuda` test file is run on the GPU, not forgotten beside the plan."""
     steps = device_plan.plan(smoke=False, repo=REPO, work=Path("/w"), model_root=Path("/m"), schemas=Path("/s"),

@@ -13,7 +13,7 @@ were given (scripts/device/check's `step_timeout`). They come from the first
 GPU run (H200, 2026-11-27), where a plan whose guesses summed to 480 s ran out
 after its first model run: setup, correctness and the 0.5B shape fit one call;
 the 8B shape (`--only large`) and the host path (`--only host`) are each a
-second call's work, run by the default call only with time to spare. Within a
+second call's work (DEFAULT_CALL: what a call without --only runs). Within a
 phase the steps go most telling first (the compiled body is what `--compile
 auto` serves on CUDA; eager and four grammar replicas after), so what a short
 run cuts is what matters least.
@@ -74,6 +74,25 @@ PHASES = (
           "the simulated 2 ms and 5 ms runners at N = 32, 64 with 1 and 2 grammar replicas; the grammar "
           "replica's round trip at 32/128/256 sessions with 1, 4 and 8 fill threads"),
 )
+
+
+# What a GPU run's call does without --only: the phases one call's budget holds (the others: --only large,
+# --only host, or --only all for everything in one call, later steps cut where time runs out).
+DEFAULT_CALL = ("setup", "correctness", "realistic")
+
+
+def phases_for(only: str, smoke: bool) -> set[str] | None:
+    """The phases a call runs for its --only value (None: every phase; setup always): the smoke runs every
+    phase, a GPU call without --only DEFAULT_CALL's. ValueError naming what is not a phase."""
+    names = {p.strip() for p in only.split(",") if p.strip()}
+    if names == {"all"} or (not names and smoke):
+        return None
+    if not names:
+        return set(DEFAULT_CALL)
+    if unknown := names - {p.name for p in PHASES}:
+        raise ValueError(f"no phase {', '.join(sorted(unknown))} (phases: {', '.join(p.name for p in PHASES)}, "
+                         "or all)")
+    return names | {"setup"}
 
 
 def python() -> list[str]:
