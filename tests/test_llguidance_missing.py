@@ -6,7 +6,7 @@ package does (GrammarServer's `llguidance` seam; the service passes its probe of
 - auto serves from xgrammar what it would otherwise give llguidance (a feature only llguidance enforces, a pattern
   xgrammar refuses: its INVALID_ARGUMENT, not INTERNAL; a schema asked for while the one worker is busy:
   xgrammar's grammar, waited for within the deadline), its sessions step, and no llguidance tokenizer is built;
-- a request naming llguidance is FAILED_PRECONDITION, naming the package and how to install it; through the
+- a request naming llguidance is UNIMPLEMENTED, naming the package and how to install it; through the
   inference service's grammar tier, with no other replica to try, the client hears that message (UNAVAILABLE);
 - grammar_svc_backend_available says llguidance 0, xgrammar 1, and no compile is counted as llguidance's or as an
   error; one WARNING at start says so;
@@ -25,6 +25,7 @@ from grammar_svc.compile.llguidance_backend import probe_llguidance
 from grammar_svc.config import GrammarServiceConfig
 from grammar_svc.server import GrammarServer
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
+from shared.status import status_for
 from structd.bench.harness import ServiceThread
 from tests.conftest import run
 from tests.test_grammar_backends import behind_a_held_worker
@@ -119,16 +120,19 @@ def test_a_schema_asked_for_while_the_worker_is_busy_waits_for_xgrammar(bare, to
     assert (out.backend, out.backend_reason) == (XGRAMMAR, "default")
 
 
-def test_a_request_naming_llguidance_is_failed_precondition_saying_what_to_do(bare, tokenizer_desc):
+def test_a_request_naming_llguidance_is_unimplemented_saying_what_to_do(bare, tokenizer_desc):
     with pytest.raises(grpc.RpcError) as info:
         compile_auto(bare, tokenizer_desc.fingerprint, pb.GrammarSpec(regex=f"{salt()}[0-9]+"), backend=LLGUIDANCE)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     details = info.value.details()
     assert "llguidance does not import on this grammar replica" in details
     assert "backend auto or xgrammar" in details and "pip install 'llguidance==" in details
 
 
-def test_the_grammar_tier_passes_the_replicas_answer_on(bare, tokenizer_desc):
+def test_the_grammar_tier_passes_the_replicas_answer_on_and_keeps_the_replica(bare, tokenizer_desc):
+    """The client hears the replica's answer (UNIMPLEMENTED, not UNAVAILABLE: retrying cannot help), and the
+    replica, fine for everything else, stays registered with its compiles remembered (FAILED_PRECONDITION
+    had it re-register the 129k tokenizer at every such request)."""
     from inference_svc.grammar.grammar_link import GrammarLink
     from inference_svc.grammar.grammar_tier import GrammarTier
     from inference_svc.types import Constraint
@@ -138,12 +142,18 @@ def test_the_grammar_tier_passes_the_replicas_answer_on(bare, tokenizer_desc):
         tier = GrammarTier((bare.target,), tokenizer_desc)
         try:
             await tier.connect()
-            await tier.compile(GrammarLink(Constraint("regex", f"{salt()}[0-9]+", backend="llguidance")))
+            await tier.compile(GrammarLink(Constraint("regex", f"{salt()}[a-z]+")))
+            (replica,) = tier._replicas.values()
+            remembered = len(replica.compiled)
+            with pytest.raises(errors.BackendNotInstalledError, match="llguidance does not import") as info:
+                await tier.compile(GrammarLink(Constraint("regex", f"{salt()}[0-9]+", backend="llguidance")))
+            return info.value, replica.registered, len(replica.compiled) == remembered > 0
         finally:
             await tier.close()
 
-    with pytest.raises(errors.UnavailableError, match="FAILED_PRECONDITION: llguidance does not import"):
-        run(go())
+    error, registered, memo_kept = run(go())
+    assert status_for(error)[0] == grpc.StatusCode.UNIMPLEMENTED
+    assert registered and memo_kept
 
 
 def test_the_metrics_say_llguidance_is_missing_and_nothing_reached_it(bare, tokenizer_desc):

@@ -79,11 +79,17 @@ UNSET_COMPILE_TIMEOUT_SECONDS = 60.0
 # Compile status codes that say the replica, not the constraint, failed: the compile moves to another one.
 _RETRY_ELSEWHERE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
+# The replica lacks what the compile asked for (the llguidance backend): another replica may have it; this one
+# keeps its registration and memo (it is fine for everything else).
+_NOT_ON_THIS_REPLICA = grpc.StatusCode.UNIMPLEMENTED
+
 # Grammar tier status codes that mean "your constraint", passed on to the client as such.
 _COMPILE_ERRORS: dict[grpc.StatusCode, type[errors.StructdError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidGrammarError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.CompileTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.LimitExceededError,
+    # No replica tried has the backend the request named: the request's choice, this deployment cannot serve.
+    grpc.StatusCode.UNIMPLEMENTED: errors.BackendNotInstalledError,
 }
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 # Per-session error codes that are the request's own (its constraint, a limit it hit): passed on as such;
@@ -428,9 +434,10 @@ class GrammarTier:
 
     async def compile(self, link: GrammarLink) -> None:
         """Compiles the session's constraint on the least-loaded registered replica and places the session
-        there (opened with the next step). A replica that answers UNAVAILABLE or FAILED_PRECONDITION (it forgot
-        the tokenizer, or lacks the backend asked for) is marked unregistered and the compile is tried once more
-        on another one; with none left, the client hears that replica's answer."""
+        there (opened with the next step). A replica that answers UNAVAILABLE or FAILED_PRECONDITION (it is
+        down, or forgot the tokenizer) is marked unregistered and the compile is tried once more on another one;
+        one that answers UNIMPLEMENTED (it lacks the backend asked for) stays registered and every other replica
+        is tried; with none left, the client hears the last replica's answer."""
         tried: set[int] = set()
         refused: tuple[grpc.aio.AioRpcError, str] | None = None  # the last replica's own answer, and its target
         while True:
@@ -456,10 +463,12 @@ class GrammarTier:
                     raise strict_refusal(link.warnings)
                 placed = True
             except grpc.aio.AioRpcError as e:
+                if e.code() == _NOT_ON_THIS_REPLICA:
+                    refused = (e, r.client.target)
+                    continue  # the next replica, or (none left) this answer
                 if e.code() not in _RETRY_ELSEWHERE:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
-                # The replica's: it is down, restarted without the tokenizer (maintain() re-registers it) or lacks
-                # the backend asked for (another replica may have it).
+                # The replica's: it is down, or restarted without the tokenizer (maintain() re-registers it).
                 r.unregister()
                 if len(tried) >= 2:
                     raise compile_error(e, r.client.target) from None
