@@ -12,6 +12,7 @@ or the input itself where the module says it leaves a node as written.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -208,9 +209,14 @@ ADDITIONAL_PROPERTIES = [
                     {"properties": {"y": {"minimum": 0}}}]},
          {"properties": {"x": {}, "y": {"minimum": 0, "type": "integer"}}, "additionalProperties": {"type": "integer"}},
          "schema-governs-the-others-names"),
-    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+    case({"allOf": [{"type": "object", "properties": {"x": {}}, "additionalProperties": False},
                     {"properties": {"y": {}}, "required": ["y"]}]},
          False, "required-and-forbidden-is-false"),
+    # Untyped, a string or a number satisfies both parts (properties and required ignore them): left.
+    case({"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                    {"properties": {"y": {}}, "required": ["y"]}]},
+         {"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                    {"properties": {"y": {}}, "required": ["y"]}]}, "required-and-forbidden-untyped-left"),
     case({"allOf": [{"properties": {"x": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
                     {"properties": {"y": {}}}]},
          {"properties": {"x": {}, "y": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
@@ -233,10 +239,20 @@ ADDITIONAL_PROPERTIES = [
          {"properties": {"x": {}, "y": {}}, "additionalProperties": True}, "true-changes-nothing"),
     case({"allOf": [{"additionalProperties": False}, {"properties": {"y": {}}}]},
          {"properties": {}, "additionalProperties": False}, "no-own-properties"),
+    # y may not appear (a string and an integer at once), but xgrammar refuses a false property and unlisting it
+    # would let y in as a string under additionalProperties: left as written.
     case({"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
                     {"properties": {"y": {"type": "integer"}}}]},
-         {"properties": {"x": {}, "y": False}, "additionalProperties": {"type": "string"}},
-         "other-name-contradicting-the-schema-is-false"),
+         {"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
+                    {"properties": {"y": {"type": "integer"}}}]},
+         "other-name-contradicting-the-schema-left"),
+    # The same with the property in the part without the schema: that part is left as it was written, its
+    # property not turned false on the way (the merge that gave up had written into it).
+    case({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}},
+                                      {"additionalProperties": {"type": "integer"}}]},
+         {"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}},
+                                      {"additionalProperties": {"type": "integer"}}]},
+         "own-name-contradicting-the-others-schema-left"),
     case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
          {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
     # A pattern of one part names properties the other's additionalProperties governs too: the pattern's schema
@@ -263,8 +279,12 @@ ADDITIONAL_PROPERTIES = [
     case({"allOf": [{"patternProperties": {"^x": {}}, "additionalProperties": False},
                     {"patternProperties": {"^x": {"type": "integer"}}}]},
          {"patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}, "the-same-pattern-merged"),
-    case({"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
+    case({"type": "object", "allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
          False, "required-unlisted-and-forbidden-is-false"),
+    case({"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
+         {"allOf": [{"properties": {"k": {}}, "additionalProperties": False},
+                    {"required": ["x"], "properties": {"x": {}}}]},
+         "required-unlisted-and-forbidden-untyped-left"),
     case({"allOf": [{"required": ["x-a"]}, {"patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False}]},
          {"required": ["x-a"], "properties": {"x-a": {}}, "patternProperties": {"^x-": {"type": "string"}},
           "additionalProperties": False}, "a-required-name-its-pattern-admits"),
@@ -741,6 +761,18 @@ UNSATISFIABLE = [
          {"type": "array", "prefixItems": [0, False], "minItems": 1}, "0-is-not-false"),
     case({"type": "array", "prefixItems": [{}], "items": [{}, NO_STRING], "minItems": 2}, False,
          "tuple-items-after-prefix-items"),
+    # 2020-12's closed tuple: items governs the elements past prefixItems only.
+    case({"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}], "items": False, "minItems": 2},
+         {"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}], "items": False, "minItems": 2},
+         "closed-tuple-within-its-prefix-left"),
+    case({"type": "array", "prefixItems": [{"type": "number"}], "items": False, "minItems": 2}, False,
+         "closed-tuple-past-its-prefix"),
+    # The untyped allOf branch is satisfied by any non-object (3, "x"): kept, not dropped as unsatisfiable.
+    case({"anyOf": [{"type": "string"}, {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
+                                                   {"required": ["b"]}]}]},
+         {"anyOf": [{"type": "string"}, {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
+                                                   {"required": ["b"], "properties": {"b": {}}}]}]},
+         "untyped-required-forbidden-branch-kept"),
     case({"anyOf": [NO_STRING, {"type": "null", "const": 0}]}, False, "every-any-of-branch"),
     case({"oneOf": [NO_STRING, {"type": "null"}]}, {"oneOf": [{"type": "null"}]}, "a-one-of-branch-dropped"),
     case({"type": "object", "anyOf": [{"properties": {"a": NO_STRING}, "required": ["a"]}, {"required": ["b"]}]},
@@ -783,11 +815,14 @@ REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additio
 @pytest.mark.parametrize("schema, expected", [pytest.param(*p.values, id=f"{rewrite}-{p.id}")
                                               for rewrite, cases in REWRITES.items() for p in cases])
 def test_each_rewrite(schema, expected):
+    given = copy.deepcopy(schema)
     if expected is False:  # the schema matches nothing: refused (UNSATISFIABLE_REFUSED says how)
         with pytest.raises(InvalidGrammarError, match="^json_schema matches nothing: at the root, "):
             normalise_schema(schema)
-        return
-    assert normalise_schema(schema) == expected
+    else:
+        assert normalise_schema(schema) == expected
+    # The caller's schema is not written into (a merge that gave up once left a part with a property false).
+    assert schema == given
 
 
 @pytest.mark.parametrize("schema", [
@@ -1013,11 +1048,11 @@ UNSATISFIABLE_REFUSED = [
     pytest.param({"allOf": [{"enum": ["a"]}, {"enum": ["b"]}]},
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, its parts' enums have no value in common"), id="all-of-enums"),
-    pytest.param({"allOf": [{"additionalProperties": False}, {"required": ["x"]}]},
+    pytest.param({"type": "object", "allOf": [{"additionalProperties": False}, {"required": ["x"]}]},
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, a property one part requires the other forbids"), id="all-of-required-forbidden"),
-    pytest.param({"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
-                            {"properties": {"y": {}}, "required": ["y"]}]},
+    pytest.param({"type": "object", "allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                                              {"properties": {"y": {}}, "required": ["y"]}]},
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, a property one part requires the other forbids"), id="all-of-listed-forbidden"),
     pytest.param({"$defs": {"f": False}, "allOf": [{"$ref": "#/$defs/f"}]},

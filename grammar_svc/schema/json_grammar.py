@@ -44,7 +44,7 @@ from grammar_svc.schema.schema_normalise import normalise_schema
 from grammar_svc.types import JsonOptions, Whitespace
 
 # Bump whenever this path can compile a schema to a different grammar.
-GRAMMAR_REVISION = "json-grammar-13"
+GRAMMAR_REVISION = "json-grammar-14"
 
 
 def normalised_schema_text(schema_text: str, *, for_xgrammar: bool = False) -> str:

@@ -606,7 +606,9 @@ def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
                 return f"its required property {name!r} accepts no value", ("properties", name)
     min_items = node.get("minItems")  # none: 0, which no rule below applies to
     if types == ["array"] and _numbers(min_items):
-        if node.get("items") is False and min_items >= 1:
+        # 2020-12: items beside prefixItems governs the elements past them only (a closed tuple).
+        prefix_len = len(node["prefixItems"]) if isinstance(node.get("prefixItems"), list) else 0
+        if node.get("items") is False and min_items > prefix_len:
             return f"its items accept no value and its minItems is {min_items}", ("items",)
         for key in ("prefixItems", "items"):
             prefix = node.get(key)
@@ -649,6 +651,12 @@ def _false_properties_unlisted(node: dict) -> dict:
     return {**node, "properties": props}
 
 
+def _no_object_or_cannot_merge(out: dict, why: str) -> _CannotMerge:
+    """What a merged node no object satisfies is: unsatisfiable where it must be an object; otherwise left as
+    written (a string or a number satisfies it: those keywords ignore them)."""
+    return _Unsatisfiable(why) if _types(out.get("type")) == ["object"] else _CannotMerge(why)
+
+
 def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
     """Each part's `additionalProperties` also governs the other part's properties (allOf semantics)."""
     for part, other in ((a, b), (b, a)):
@@ -679,10 +687,11 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         own = part.get("properties") or {}
         if extra is False and isinstance(required, list) and any(
                 isinstance(n, str) and n not in own and not _may_match(patterns, n) for n in required):
-            raise _Unsatisfiable("a property one part requires the other forbids")
+            raise _no_object_or_cannot_merge(out, "a property one part requires the other forbids")
     props = out.get("properties")
     if not isinstance(props, dict):
         return
+    props = out["properties"] = dict(props)  # possibly a part's own dict: the parts stay as they were
     for part in (a, b):
         extra = part.get("additionalProperties", True)
         if extra is True:
@@ -692,10 +701,15 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         for name in [n for n in props if n not in own and not _may_match(patterns, n)]:
             if extra is False:
                 if name in out.get("required", []):
-                    raise _Unsatisfiable(f"property {name!r} is required by one part and forbidden by the other")
+                    raise _no_object_or_cannot_merge(
+                        out, f"property {name!r} is required by one part and forbidden by the other")
                 del props[name]
             else:
                 props[name] = merge(props[name], extra)
+    if isinstance(out.get("additionalProperties"), dict) and any(v is False for v in props.values()):
+        # Exact (the name may not appear), but xgrammar refuses a `false` property, and unlisting it would let
+        # the name in under additionalProperties: the allOf is left as written.
+        raise _CannotMerge("a property no value satisfies beside an additionalProperties schema")
 
 
 def json_key(value: Any) -> Any:
