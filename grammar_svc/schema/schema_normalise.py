@@ -700,9 +700,7 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         patterns = part.get("patternProperties", {})
         for name in [n for n in props if n not in own and not _may_match(patterns, n)]:
             if extra is False:
-                if name in out.get("required", []):
-                    raise _no_object_or_cannot_merge(
-                        out, f"property {name!r} is required by one part and forbidden by the other")
+                # A required one raised in the loop above: `required` as a list names it there.
                 del props[name]
             else:
                 props[name] = merge(props[name], extra)
