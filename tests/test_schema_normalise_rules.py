@@ -47,6 +47,9 @@ def case(schema, expected, id):
 
 # ----------------------------------------------------------------------------- allOf merged into its node
 
+NOT_OBJECT = {"type": ["array", "boolean", "null", "number", "string"]}  # what no object satisfies becomes
+
+
 ALL_OF = [
     case({"allOf": [{"type": "string"}, {"minLength": 2}]}, {"type": "string", "minLength": 2}, "disjoint-keywords"),
     case({"title": "t", "allOf": [{"type": "integer"}]}, {"title": "t", "type": "integer"}, "one-part-into-the-node"),
@@ -212,11 +215,14 @@ ADDITIONAL_PROPERTIES = [
     case({"allOf": [{"type": "object", "properties": {"x": {}}, "additionalProperties": False},
                     {"properties": {"y": {}}, "required": ["y"]}]},
          False, "required-and-forbidden-is-false"),
-    # Untyped, a string or a number satisfies both parts (properties and required ignore them): left.
+    # Untyped, no object satisfies both parts but a string or a number does (properties and required ignore
+    # them): every type but object (left as written, xgrammar compiled it as any object with y).
     case({"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
                     {"properties": {"y": {}}, "required": ["y"]}]},
-         {"allOf": [{"properties": {"x": {}}, "additionalProperties": False},
-                    {"properties": {"y": {}}, "required": ["y"]}]}, "required-and-forbidden-untyped-left"),
+         NOT_OBJECT, "required-and-forbidden-untyped-no-object"),
+    case({"type": ["object", "string"], "allOf": [{"properties": {"x": {}}, "additionalProperties": False},
+                                                  {"required": ["y"]}]},
+         {"type": "string"}, "required-and-forbidden-the-other-type-kept"),
     case({"allOf": [{"properties": {"x": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
                     {"properties": {"y": {}}}]},
          {"properties": {"x": {}, "y": {}}, "patternProperties": {"^y": {}}, "additionalProperties": False},
@@ -239,20 +245,18 @@ ADDITIONAL_PROPERTIES = [
          {"properties": {"x": {}, "y": {}}, "additionalProperties": True}, "true-changes-nothing"),
     case({"allOf": [{"additionalProperties": False}, {"properties": {"y": {}}}]},
          {"properties": {}, "additionalProperties": False}, "no-own-properties"),
-    # y may not appear (a string and an integer at once), but xgrammar refuses a false property and unlisting it
-    # would let y in as a string under additionalProperties: left as written.
+    # y may not appear (a string and an integer at once): false, exact. xgrammar refuses a false property (auto
+    # goes to llguidance); left as written, xgrammar's grammar let y in as an integer.
     case({"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
                     {"properties": {"y": {"type": "integer"}}}]},
-         {"allOf": [{"properties": {"x": {}}, "additionalProperties": {"type": "string"}},
-                    {"properties": {"y": {"type": "integer"}}}]},
-         "other-name-contradicting-the-schema-left"),
-    # The same with the property in the part without the schema: that part is left as it was written, its
-    # property not turned false on the way (the merge that gave up had written into it).
+         {"properties": {"x": {}, "y": False}, "additionalProperties": {"type": "string"}},
+         "other-name-contradicting-the-schema-is-false"),
+    # The same with the property in the part without the schema; that part's own dict is not written into
+    # (the caller's schema is checked unchanged by every row).
     case({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}},
                                       {"additionalProperties": {"type": "integer"}}]},
-         {"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}},
-                                      {"additionalProperties": {"type": "integer"}}]},
-         "own-name-contradicting-the-others-schema-left"),
+         {"type": "object", "properties": {"a": False}, "additionalProperties": {"type": "integer"}},
+         "own-name-contradicting-the-others-schema-is-false"),
     case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
          {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
     # A pattern of one part names properties the other's additionalProperties governs too: the pattern's schema
@@ -282,9 +286,13 @@ ADDITIONAL_PROPERTIES = [
     case({"type": "object", "allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
          False, "required-unlisted-and-forbidden-is-false"),
     case({"allOf": [{"properties": {"k": {}}, "additionalProperties": False}, {"required": ["x"]}]},
-         {"allOf": [{"properties": {"k": {}}, "additionalProperties": False},
-                    {"required": ["x"], "properties": {"x": {}}}]},
-         "required-unlisted-and-forbidden-untyped-left"),
+         NOT_OBJECT, "required-unlisted-and-forbidden-untyped-no-object"),
+    # properties that is no map names no property (an invalid schema: not a crash, nor an INTERNAL answer).
+    case({"allOf": [{"properties": 5, "additionalProperties": False},
+                    {"required": ["a"], "additionalProperties": False}]},
+         NOT_OBJECT, "properties-not-a-map-names-none"),
+    case({"properties": None, "required": ["b"]}, {"properties": None, "required": ["b"]},
+         "required-beside-properties-not-a-map-left"),
     case({"allOf": [{"required": ["x-a"]}, {"patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False}]},
          {"required": ["x-a"], "properties": {"x-a": {}}, "patternProperties": {"^x-": {"type": "string"}},
           "additionalProperties": False}, "a-required-name-its-pattern-admits"),
@@ -767,12 +775,15 @@ UNSATISFIABLE = [
          "closed-tuple-within-its-prefix-left"),
     case({"type": "array", "prefixItems": [{"type": "number"}], "items": False, "minItems": 2}, False,
          "closed-tuple-past-its-prefix"),
-    # The untyped allOf branch is satisfied by any non-object (3, "x"): kept, not dropped as unsatisfiable.
+    # The untyped allOf branch is satisfied by any non-object (3, "x"): kept as that, not dropped.
     case({"anyOf": [{"type": "string"}, {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
                                                    {"required": ["b"]}]}]},
-         {"anyOf": [{"type": "string"}, {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
-                                                   {"required": ["b"], "properties": {"b": {}}}]}]},
-         "untyped-required-forbidden-branch-kept"),
+         {"anyOf": [{"type": "string"}, NOT_OBJECT]}, "untyped-required-forbidden-branch-kept-as-no-object"),
+    # Distributed: the branch requiring b is every non-object; the one requiring a stays exact.
+    case({"properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+          "anyOf": [{"required": ["b"]}, {"required": ["a"]}]},
+         {"anyOf": [NOT_OBJECT, {"properties": {"a": {"type": "integer"}}, "additionalProperties": False,
+                                 "required": ["a"]}]}, "distributed-branch-no-object"),
     case({"anyOf": [NO_STRING, {"type": "null", "const": 0}]}, False, "every-any-of-branch"),
     case({"oneOf": [NO_STRING, {"type": "null"}]}, {"oneOf": [{"type": "null"}]}, "a-one-of-branch-dropped"),
     case({"type": "object", "anyOf": [{"properties": {"a": NO_STRING}, "required": ["a"]}, {"required": ["b"]}]},

@@ -632,9 +632,10 @@ def _required_listed(node: dict) -> dict:
                 required += [d for d in more if isinstance(d, str) and d not in required]
     props = node.get("properties", {})
     extra = node.get("additionalProperties", True)
-    missing = [k for k in required if k not in props]
     if not isinstance(props, dict) or "patternProperties" in node or extra is False:
-        missing = []  # a pattern may govern them, or nothing may: left as written
+        missing = []  # a pattern may govern them, or nothing may (or `properties` is no map): left as written
+    else:
+        missing = [k for k in required if k not in props]
     if required == node["required"] and not missing:
         return node
     out = dict(node)
@@ -651,10 +652,27 @@ def _false_properties_unlisted(node: dict) -> dict:
     return {**node, "properties": props}
 
 
-def _no_object_or_cannot_merge(out: dict, why: str) -> _CannotMerge:
-    """What a merged node no object satisfies is: unsatisfiable where it must be an object; otherwise left as
-    written (a string or a number satisfies it: those keywords ignore them)."""
-    return _Unsatisfiable(why) if _types(out.get("type")) == ["object"] else _CannotMerge(why)
+# What only an object's value is checked against: moot on a node no object satisfies.
+_OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                    "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
+                    "unevaluatedProperties")
+# Every JSON value but an object (integer is within number).
+_NOT_OBJECT = ["array", "boolean", "null", "number", "string"]
+
+
+def _no_object(out: dict, why: str) -> None:
+    """`out` (a merged node) satisfied by no object: unsatisfiable where it must be an object; otherwise its type
+    narrowed to what else it admits, its object keywords dropped (moot). Left as written, an untyped one
+    compiled as if the allOf were not there (xgrammar reads properties as the object's)."""
+    types = _types(out.get("type"))
+    if types and not set(types) <= _TYPE_NAMES:
+        raise _CannotMerge(why)  # a type name JSON does not have: not ours to read
+    rest = [t for t in types if t != "object"] if types else _NOT_OBJECT
+    if not rest:
+        raise _Unsatisfiable(why)
+    for key in _OBJECT_KEYWORDS:
+        out.pop(key, None)
+    out["type"] = rest[0] if len(rest) == 1 else rest
 
 
 def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
@@ -677,17 +695,18 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
                         merged[q] = merge(merged[q], extra)  # the pattern's schema meets it (narrower for those)
                         if merged[q] is False:  # exact, but xgrammar refuses a `false` pattern
                             raise _CannotMerge("a pattern's schema and the other part's additionalProperties")
-                    elif patterns or any(_may_match({q: {}}, n) for n in part.get("properties") or {}):
+                    elif patterns or any(_may_match({q: {}}, n) for n in _names(part.get("properties"))):
                         # A name this part lists or admits may match it: forbidding the pattern would forbid
                         # it (xgrammar refuses a `false` pattern anyway), keeping it would let the others past.
                         raise _CannotMerge("patternProperties beside the other part's additionalProperties")
                     else:
                         del merged[q]  # every name it admits is forbidden: additionalProperties false says so
         required = out.get("required", [])
-        own = part.get("properties") or {}
+        own = _names(part.get("properties"))
         if extra is False and isinstance(required, list) and any(
                 isinstance(n, str) and n not in own and not _may_match(patterns, n) for n in required):
-            raise _no_object_or_cannot_merge(out, "a property one part requires the other forbids")
+            _no_object(out, "a property one part requires the other forbids")
+            return
     props = out.get("properties")
     if not isinstance(props, dict):
         return
@@ -696,7 +715,7 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
         extra = part.get("additionalProperties", True)
         if extra is True:
             continue
-        own = part.get("properties") or {}
+        own = _names(part.get("properties"))
         patterns = part.get("patternProperties", {})
         for name in [n for n in props if n not in own and not _may_match(patterns, n)]:
             if extra is False:
@@ -704,10 +723,6 @@ def _apply_additional_properties(out: dict, a: dict, b: dict, merge) -> None:
                 del props[name]
             else:
                 props[name] = merge(props[name], extra)
-    if isinstance(out.get("additionalProperties"), dict) and any(v is False for v in props.values()):
-        # Exact (the name may not appear), but xgrammar refuses a `false` property, and unlisting it would let
-        # the name in under additionalProperties: the allOf is left as written.
-        raise _CannotMerge("a property no value satisfies beside an additionalProperties schema")
 
 
 def json_key(value: Any) -> Any:
@@ -731,6 +746,11 @@ def literal_of(pattern: str) -> str | None:
     """The text a pattern without regex syntax stands for, its anchors aside (None for any other pattern)."""
     literal = pattern.removeprefix("^").removesuffix("$")
     return None if _REGEX_SYNTAX.search(literal) else literal
+
+
+def _names(properties: Any) -> dict:
+    """A part's `properties` as a map (any other value, which names no property, as an empty one)."""
+    return properties if isinstance(properties, dict) else {}
 
 
 def _may_match(patterns: Any, name: str) -> bool:
