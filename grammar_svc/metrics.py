@@ -59,7 +59,7 @@ class GrammarMetrics:
             "grammar_svc_backend_available",
             "Whether each grammar backend's library imports on this replica: 1, or 0 where the image lacks it "
             "(llguidance: auto then serves every constraint from xgrammar, and a request naming llguidance is "
-            "refused with FAILED_PRECONDITION).", ["backend"], registry=r)
+            "refused with UNIMPLEMENTED).", ["backend"], registry=r)
         self.compile_failures = Counter(
             "grammar_svc_compile_failures_total",
             "Compilations that failed, by reason (invalid, timeout, busy, too_large, crash, error).",

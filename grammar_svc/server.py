@@ -133,7 +133,7 @@ def _check_llguidance(llguidance: LlguidanceAvailability, grammar_backend: str) 
                          "auto or xgrammar")
     auto = (", and auto serves every constraint from xgrammar (no fallback to llguidance for what xgrammar refuses, "
             "crashes on or compiles slowly)") if grammar_backend == AUTO else ""
-    log.warning("%s: requests naming llguidance are refused (FAILED_PRECONDITION)%s; install it with %s",
+    log.warning("%s: requests naming llguidance are refused (UNIMPLEMENTED)%s; install it with %s",
                 llguidance.why_missing(), auto, install_hint())
 
 

@@ -27,7 +27,6 @@ STATUS_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     errors.CompileTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.CheckTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.UnknownTokenizerError: grpc.StatusCode.FAILED_PRECONDITION,
-    # As an unknown tokenizer: this replica lacks what the request needs (callers try another replica).
     # Not the request's fault nor a passing state of the replica: this replica lacks the backend. Not
     # FAILED_PRECONDITION, on which the inference side re-registers the tokenizer (an unknown tokenizer's).
     errors.BackendNotInstalledError: grpc.StatusCode.UNIMPLEMENTED,

@@ -130,9 +130,9 @@ def test_a_request_naming_llguidance_is_unimplemented_saying_what_to_do(bare, to
 
 
 def test_the_grammar_tier_passes_the_replicas_answer_on_and_keeps_the_replica(bare, tokenizer_desc):
-    """The client hears the replica's answer (UNIMPLEMENTED, not UNAVAILABLE: retrying cannot help), and the
-    replica, fine for everything else, stays registered with its compiles remembered (FAILED_PRECONDITION
-    had it re-register the 129k tokenizer at every such request)."""
+    """The client hears the replica's answer as INVALID_ARGUMENT (HTTP 400: not UNAVAILABLE nor a 501, which
+    SDKs retry to the same answer), and the replica, fine for everything else, stays registered with its
+    compiles remembered (FAILED_PRECONDITION had it re-register the 129k tokenizer at every such request)."""
     from inference_svc.grammar.grammar_link import GrammarLink
     from inference_svc.grammar.grammar_tier import GrammarTier
     from inference_svc.types import Constraint
@@ -145,14 +145,14 @@ def test_the_grammar_tier_passes_the_replicas_answer_on_and_keeps_the_replica(ba
             await tier.compile(GrammarLink(Constraint("regex", f"{salt()}[a-z]+")))
             (replica,) = tier._replicas.values()
             remembered = len(replica.compiled)
-            with pytest.raises(errors.BackendNotInstalledError, match="llguidance does not import") as info:
+            with pytest.raises(errors.InvalidRequestError, match="llguidance does not import") as info:
                 await tier.compile(GrammarLink(Constraint("regex", f"{salt()}[0-9]+", backend="llguidance")))
             return info.value, replica.registered, len(replica.compiled) == remembered > 0
         finally:
             await tier.close()
 
     error, registered, memo_kept = run(go())
-    assert status_for(error)[0] == grpc.StatusCode.UNIMPLEMENTED
+    assert status_for(error)[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert registered and memo_kept
 
 

@@ -32,7 +32,7 @@ was served from stays valid (nothing drops it but the cache's eviction).
 Where llguidance does not import (the replica's image lacks it: server.py
 finds out once, at start), auto is xgrammar alone (no feature path, hedge or
 fallback, and no llguidance tokenizer built), and a request naming
-llguidance is refused (BackendNotInstalledError: FAILED_PRECONDITION, naming
+llguidance is refused (BackendNotInstalledError: UNIMPLEMENTED, naming
 the package and how to install it), never an import failing per request.
 
 Per-caller limits live here too: distinct compiles a caller may wait on

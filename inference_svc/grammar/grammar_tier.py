@@ -88,8 +88,9 @@ _COMPILE_ERRORS: dict[grpc.StatusCode, type[errors.StructdError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidGrammarError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.CompileTimeoutError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.LimitExceededError,
-    # No replica tried has the backend the request named: the request's choice, this deployment cannot serve.
-    grpc.StatusCode.UNIMPLEMENTED: errors.BackendNotInstalledError,
+    # No replica has the backend the request named: the request's choice, which this deployment cannot serve
+    # (INVALID_ARGUMENT, HTTP 400 at the gateway: a 5xx would be retried by SDKs, to the same answer).
+    grpc.StatusCode.UNIMPLEMENTED: errors.InvalidRequestError,
 }
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 # Per-session error codes that are the request's own (its constraint, a limit it hit): passed on as such;
@@ -436,9 +437,11 @@ class GrammarTier:
         """Compiles the session's constraint on the least-loaded registered replica and places the session
         there (opened with the next step). A replica that answers UNAVAILABLE or FAILED_PRECONDITION (it is
         down, or forgot the tokenizer) is marked unregistered and the compile is tried once more on another one;
-        one that answers UNIMPLEMENTED (it lacks the backend asked for) stays registered and every other replica
-        is tried; with none left, the client hears the last replica's answer."""
+        one that answers UNIMPLEMENTED (it lacks the backend asked for) stays registered, does not count
+        towards those two, and every other replica is tried; with none left, the client hears the last
+        replica's answer (UNIMPLEMENTED as INVALID_ARGUMENT: the request names what no replica has)."""
         tried: set[int] = set()
+        lost = 0  # replicas that failed it (down, hung, forgot the tokenizer): two and the compile gives up
         refused: tuple[grpc.aio.AioRpcError, str] | None = None  # the last replica's own answer, and its target
         while True:
             r = self._pick(tried)
@@ -470,7 +473,8 @@ class GrammarTier:
                     raise compile_error(e, r.client.target) from None  # the constraint's, or the caller's deadline
                 # The replica's: it is down, or restarted without the tokenizer (maintain() re-registers it).
                 r.unregister()
-                if len(tried) >= 2:
+                lost += 1
+                if lost >= 2:
                     raise compile_error(e, r.client.target) from None
                 refused = (e, r.client.target)
                 log.warning("grammar replica %s: compile failed with %s; trying another replica",
@@ -479,8 +483,9 @@ class GrammarTier:
             except TimeoutError:
                 # Hung (SIGSTOPped, its event loop wedged): new compiles avoid it until it answers maintain().
                 r.unregister()
+                lost += 1
                 seconds = self.compile_rpc_seconds
-                if len(tried) >= 2 or self._pick(tried) is None:
+                if lost >= 2 or self._pick(tried) is None:
                     raise errors.UnavailableError(
                         f"grammar replica {r.client.target} did not answer the compile within {seconds:g} s (the "
                         f"compile deadline plus {COMPILE_RPC_MARGIN_SECONDS:g} s): it is hung; retry later"
