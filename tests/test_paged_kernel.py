@@ -116,3 +116,14 @@ def test_triton_on_a_cpu_device_is_refused_before_anything_loads():
 def test_an_unknown_backend_is_refused_at_start():
     with pytest.raises(SystemExit, match="--attention-backend flash: use auto, sdpa, triton"):
         inference_config(["--attention-backend", "flash"])
+
+
+def test_the_ints_that_change_step_to_step_are_not_specialised():
+    """Triton compiles a variant per specialisation (1, multiple of 16) of an int argument; a name in
+    do_not_specialize that is not a parameter is ignored silently, so the names are checked here."""
+    if (missing := triton_unavailable()) is not None:
+        untestable_here(f"the paged kernel needs triton: {missing}")
+    from inference_svc.model.paged_kernel import _kernel
+
+    unspecialised = {p.name for p in _kernel().params if p.do_not_specialize}
+    assert unspecialised == {"keys_per_split", "num_heads", "num_splits", "stride_tb"}

@@ -96,8 +96,9 @@ def _kernel():
     import triton.language as tl
 
     # Triton compiles a variant per specialisation of an int argument (1, a multiple of 16): these change from
-    # step to step, and a new variant compiled on the forward thread is a stall in serving.
-    @triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits"])
+    # step to step (stride_tb with the longest block table), and a variant compiled on the forward thread is a
+    # stall in serving.
+    @triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits", "stride_tb"])
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,
