@@ -84,7 +84,6 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
 
     started = time.perf_counter()
     device = config.device or default_device()
-    config = sized_for_device(config, device)
     if device == "cpu":
         torch.set_num_threads(config.torch_threads())
     elif device.startswith("cuda") and rank is None and torch.device(device).index is not None:
@@ -110,6 +109,8 @@ def load_runner(config: InferenceServiceConfig, rank: RankInfo | None = None, so
                                  block_size=config.block_size, prefix_caching=config.engine.prefix_caching)
         return runner, tok, (), SIMULATED_MAX_MODEL_LEN, info("")
     model, tok = load_model(source.path, device, config.dtype, tensor_parallel=rank is not None)
+    # Sized from the device the weights are on (a tensor-parallel rank's own, set by init_group), not cuda:0.
+    config = sized_for_device(config, str(next(model.parameters()).device))
     try:
         attention, why = resolve_backend(config.attention_backend, next(model.parameters()).device)
     except AttentionBackendError as e:  # the operator's --attention-backend on this device: say so and stop
