@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inference_svc.model.paged_kernel import paged_attention
-from inference_svc.model.paged_kv import PagedKVCache
+from inference_svc.model.paged_kernel import paged_attention, splits_for
+from inference_svc.model.paged_kv import PagedKVCache, as_dtype
 
 ATTN_IMPLEMENTATION = "structd_paged"
 # Query tokens of a chunk over cached context that the paged kernel takes (decodes, jump-forward extends);
@@ -73,7 +73,7 @@ class KernelPlan:
     seq_index: torch.Tensor  # [K] their sequences' rows of block_tables
     positions: torch.Tensor  # [K] their positions (each attends to 0..its own)
     longest: int = 0  # keys the longest of them attends to (sizes the kernel's context split)
-    splits: int | None = None  # parts per program's keys; None: the kernel's choice for the device
+    splits: int = 1  # parts per program's keys (paged_kernel.splits_for), chosen once for every layer
     whole_step: bool = False  # they are all the step's tokens, in order (token_index is 0..K-1)
 
 
@@ -142,7 +142,10 @@ class PagedAttentionContext:
             index = (~to_sdpa[seq_of]).nonzero()[:, 0]
             if len(index):
                 at = positions[index]
-                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), int(at.max()) + 1,
+                longest = int(at.max()) + 1
+                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), longest,
+                                    splits_for(len(index) * kv_cache.spec.num_kv_heads, longest,
+                                               torch.device(device)),
                                     whole_step=len(index) == len(seq_of))
             decode_ids = []  # the kernel has them
 
@@ -260,8 +263,8 @@ def _decode_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     # index_select over the flat slots, not k_all[d.slots]: the same rows, and on the CPU the row copy
     # beats advanced indexing's per-element gather several times over.
     rows = d.slots.view(-1)
-    kd = _as(k_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    vd = _as(v_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    kd = as_dtype(k_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    vd = as_dtype(v_all.index_select(0, rows), q.dtype).view(batch, -1, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scaling)
 
 
@@ -275,17 +278,12 @@ def _chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if c.slots is None:
         kc, vc = (key, value) if whole else (key[:, :, rows], value[:, :, rows])
     else:
-        kc = _as(k_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
-        vc = _as(v_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
+        kc = as_dtype(k_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
+        vc = as_dtype(v_all.index_select(0, c.slots), query.dtype).transpose(0, 1)[None]
     oc = F.scaled_dot_product_attention(
         qc, kc, vc, attn_mask=c.mask, is_causal=c.mask is None, scale=scaling, enable_gqa=groups > 1
     )
     return oc.transpose(1, 2)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A same-dtype .to() returns t but still costs a dispatch, per layer; the cache's dtype is usually the model's.
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def register() -> str:

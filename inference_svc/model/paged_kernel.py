@@ -165,7 +165,7 @@ def paged_attention(
     block_size: int,
     scale: float,
     longest: int = 0,  # keys of the longest token's context (host-known): what a split is sized by
-    splits: int | None = None,  # parts per program's keys; None: split_count's choice for the device
+    splits: int = 1,  # parts per program's keys (splits_for: chosen once per step, not per layer)
 ) -> torch.Tensor:
     """[tokens, heads, head_dim]: each token's attention over its sequence's positions 0..its own, in query's dtype."""
     tokens, heads, head_dim = query.shape
@@ -173,9 +173,6 @@ def paged_attention(
     out = torch.empty_like(query)
     if tokens == 0:
         return out
-    if splits is None:
-        splits = (split_count(tokens * kv_heads, longest, _target_programs(query.device))
-                  if query.device.type == "cuda" else 1)
     if splits > 1 and longest < splits:
         raise ValueError(f"{splits} splits of a longest context of {longest} keys")
     # Parts of whole tiles (a part's loads start on a tile); unsplit, one part covers any context.
@@ -217,6 +214,11 @@ def split_count(programs: int, longest: int, target_programs: int) -> int:
     if programs >= target_programs:
         return 1
     return max(1, min(-(-target_programs // programs), longest // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def splits_for(programs: int, longest: int, device: torch.device) -> int:
+    """split_count for a step's `programs` on `device`: 1 off CUDA (the interpreter gains nothing by it)."""
+    return split_count(programs, longest, _target_programs(device)) if device.type == "cuda" else 1
 
 
 @functools.cache

@@ -433,6 +433,12 @@ class PagedKVCache:
         """`write` for key/value as transformers' attention gets them, [1, num_kv_heads, n, head_dim], with no
         view or copy to the flat layout first (a layer's write is then two ops); returns flat(layer)."""
         k_heads, v_heads = self._heads_first[layer]
-        k_heads.index_copy_(2, slots, key if key.dtype == k_heads.dtype else key.to(k_heads.dtype))
-        v_heads.index_copy_(2, slots, value if value.dtype == v_heads.dtype else value.to(v_heads.dtype))
+        k_heads.index_copy_(2, slots, as_dtype(key, k_heads.dtype))
+        v_heads.index_copy_(2, slots, as_dtype(value, v_heads.dtype))
         return self._flat[layer]
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype: a same-dtype .to() returns t but still costs a dispatch, and this runs per layer (the cache's
+    dtype is usually the model's)."""
+    return t if t.dtype == dtype else t.to(dtype)
