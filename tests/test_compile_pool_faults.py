@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -310,6 +311,37 @@ def test_a_compile_another_caller_waits_for_goes_on(roomy, tokenizer_desc):
     resp = call(roomy, go)
     assert resp.grammar_id
     assert restarts(roomy, "abandoned") == before
+    pool_ready(roomy)
+
+
+def test_a_caller_that_joined_a_compile_with_a_shorter_deadline_gets_its_own(roomy, tokenizer_desc):
+    """Two callers ask for one grammar, the first with a 1 s deadline, the second with 4 s: the second joins the
+    first's compile, and when that stops at 1 s it compiles again in the time it has left, rather than hear of a
+    1 s deadline it never asked for (the grammar takes tens of seconds, so both answers are DEADLINE_EXCEEDED,
+    each naming its own deadline, from two compiles)."""
+    fp = tokenizer_desc.fingerprint
+    pool_ready(roomy)
+    before = restarts(roomy, "deadline")
+    spec = very_slow(f"join-{salt()}")
+
+    async def go(client):
+        first = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=1.0))
+        while waiters(roomy) != [1]:
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=4.0))
+        while waiters(roomy) != [2]:  # joined the compile in flight
+            assert not first.done(), first
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    answers = call(roomy, go)
+    deadlines = []
+    for answer in answers:
+        assert isinstance(answer, grpc.aio.AioRpcError), answer
+        assert answer.code() == grpc.StatusCode.DEADLINE_EXCEEDED, answer.details()
+        deadlines.append(float(re.search(r"exceeded its ([0-9.]+) s deadline", answer.details()).group(1)))
+    assert deadlines[0] == 1.0 and 1.0 < deadlines[1] < 4.0, deadlines
+    wait_until(lambda: restarts(roomy, "deadline") == before + 2, "both compiles' workers stopped at their deadlines")
     pool_ready(roomy)
 
 

@@ -108,9 +108,11 @@ class CompileResult:
 class _Flight:
     """One compile in progress and how many callers still wait for it."""
 
-    def __init__(self, task: asyncio.Task, fingerprint: str):
+    def __init__(self, task: asyncio.Task, fingerprint: str, timeout: float):
         self.task = task
         self.fingerprint = fingerprint
+        # The deadline the compile runs under: its first caller's.
+        self.timeout = timeout
         self.waiters = 0
         # The waiters whose requests llguidance answered (auto past its budget): they wait only to land the
         # grammar in the cache, so a compile whose every waiter is one of them may be stopped for its worker.
@@ -459,19 +461,37 @@ class GrammarBackend:
             raise
         if caller is not None:
             self.callers.enter(caller, grammar_id)
-        flight = self._inflight.get(grammar_id)
-        if flight is None:
-            flight = _Flight(asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout)),
-                             tokenizer.fingerprint)
-            self._inflight[grammar_id] = flight
-            flight.task.add_done_callback(lambda f: self._compile_done(grammar_id, flight))
-        flight.waiters += 1
+        deadline = time.monotonic() + timeout
         try:
-            # shield: one caller cancelling must not cancel the compile others wait on.
-            entry = await asyncio.shield(flight.task)
+            while True:
+                flight = self._inflight.get(grammar_id)
+                if flight is None:
+                    flight = _Flight(asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout)),
+                                     tokenizer.fingerprint, timeout)
+                    self._inflight[grammar_id] = flight
+                    flight.task.add_done_callback(lambda f, flight=flight: self._compile_done(grammar_id, flight))
+                try:
+                    entry = await self._wait_for(flight, grammar_id)
+                except CompileTimeoutError:
+                    # A compile joined under a shorter deadline than this request's ran out of its own: this
+                    # request still has more time than that compile had, so it compiles again in it rather than
+                    # hear of a deadline it did not ask for (a remembered timeout is held against what is left).
+                    timeout = deadline - time.monotonic()
+                    if timeout <= flight.timeout:
+                        raise
+                    continue
+                return CompileResult(entry, False)
         finally:
             if caller is not None:
                 self.callers.leave(caller, grammar_id)
+
+    async def _wait_for(self, flight: _Flight, grammar_id: str) -> CompiledEntry:
+        """The flight's grammar, waited for as one of its callers."""
+        flight.waiters += 1
+        try:
+            # shield: one caller cancelling must not cancel the compile others wait on.
+            return await asyncio.shield(flight.task)
+        finally:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.task.done():
                 # The last caller went away (cancelled, or its deadline passed): nobody wants
@@ -479,7 +499,6 @@ class GrammarBackend:
                 if self._inflight.get(grammar_id) is flight:
                     del self._inflight[grammar_id]
                 flight.task.cancel()
-        return CompileResult(entry, False)
 
     def _compile_done(self, grammar_id: str, flight: _Flight) -> None:
         if self._inflight.get(grammar_id) is flight:
