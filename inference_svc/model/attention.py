@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference_svc.model.host_copy import to_device
 from inference_svc.model.paged_kernel import paged_attention, splits_for
 from inference_svc.model.paged_kv import PagedKVCache, as_dtype
 
@@ -135,7 +136,10 @@ class PagedAttentionContext:
             slot_mapping = block_tables[seq_of, positions // bs] * bs + positions % bs
         query_start_loc = torch.cat((ends.new_zeros(1), ends))
 
-        kernel = None
+        # Everything bound for the device is gathered here and crosses in one copy (host_copy.py): the kernel's
+        # plan, the decode group's and chunks' slots, and the context's own tensors.
+        shipped: list[torch.Tensor] = [slot_mapping, query_start_loc, seq_lens, block_tables.long(), positions]
+        kernel_parts = None
         if paged_kernel:
             to_sdpa = torch.tensor([n > 1 and (cached == 0 or n > KERNEL_MAX_QUERY)
                                     for n, cached in zip(query_lens, context_lens)])
@@ -143,13 +147,11 @@ class PagedAttentionContext:
             if len(index):
                 at = positions[index]
                 longest = int(at.max()) + 1
-                kernel = KernelPlan(index.to(device), seq_of[index].to(device), at.to(device), longest,
-                                    splits_for(len(index) * kv_cache.spec.num_kv_heads, longest,
-                                               torch.device(device)),
-                                    whole_step=len(index) == len(seq_of))
+                kernel_parts = (len(shipped), longest, len(index) == len(seq_of))
+                shipped += [index, seq_of[index], at]
             decode_ids = []  # the kernel has them
 
-        decodes = None
+        decode_parts = None
         if decode_ids:
             all_decode = len(decode_ids) == num_seqs
             ids = torch.tensor(decode_ids)
@@ -160,37 +162,56 @@ class PagedAttentionContext:
             block_index = (pos // bs).clamp(max=max_blocks - 1).expand(len(decode_ids), -1)
             blocks = (block_tables if all_decode else block_tables[ids]).gather(1, block_index)
             slots = torch.where(valid, blocks * bs + pos % bs, 0)
-            decodes = DecodeGroup(
-                token_index=ids.to(device) if all_decode else (ends[ids] - 1).to(device),
-                slots=slots.to(device),
-                mask=valid[:, None, None, :].to(device),
-                whole_step=all_decode,
-            )
+            decode_parts = (len(shipped), max_len, all_decode)
+            shipped += [ids if all_decode else ends[ids] - 1, slots.long(), lens]
 
-        chunks = []
+        chunk_parts = []
         q_start = 0
         for i, (n, cached) in enumerate(zip(query_lens, context_lens)):
             if n > 1 and cached == 0:
-                chunks.append(ChunkPlan(q_start, q_start + n, None, None))
+                chunk_parts.append((q_start, n, None, None))
             elif n > 1 and (not paged_kernel or n > KERNEL_MAX_QUERY):
-                seq_len = cached + n
-                pos = torch.arange(seq_len)
-                mask = pos[None, :] <= pos[cached:, None]
-                slots = block_tables[i, pos // bs] * bs + pos % bs
-                chunks.append(ChunkPlan(q_start, q_start + n, slots.to(device), mask.to(device)))
+                pos = torch.arange(cached + n)
+                chunk_parts.append((q_start, n, len(shipped), cached))
+                shipped.append((block_tables[i, pos // bs] * bs + pos % bs).long())
             q_start += n
 
+        on_device = to_device(device, *shipped)
+        kernel = None
+        if kernel_parts is not None:
+            at_, longest, whole = kernel_parts
+            k_index, k_seq, k_at = on_device[at_:at_ + 3]
+            kernel = KernelPlan(k_index, k_seq, k_at, longest,
+                                splits_for(len(k_index) * kv_cache.spec.num_kv_heads, longest, torch.device(device)),
+                                whole_step=whole)
+        decodes = None
+        if decode_parts is not None:
+            # Masks are made where they are used, from the lengths already there: no bool tensor to copy.
+            at_, max_len, whole = decode_parts
+            valid = torch.arange(max_len, device=device)[None, :] < on_device[at_ + 2][:, None]
+            decodes = DecodeGroup(token_index=on_device[at_], slots=on_device[at_ + 1], mask=valid[:, None, None, :],
+                                  whole_step=whole)
+        chunks = tuple(ChunkPlan(q, q + n, None, None) if at_ is None else
+                       ChunkPlan(q, q + n, on_device[at_], _causal_after(cached, n, device))
+                       for q, n, at_, cached in chunk_parts)
+        slot_mapping, query_start_loc, seq_lens, block_tables, positions = on_device[:5]
         return cls(
             kv_cache=kv_cache,
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=query_start_loc.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=block_tables.to(device),
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             decodes=decodes,
-            chunks=tuple(chunks),
-            positions=positions.to(device),
+            chunks=chunks,
+            positions=positions,
             kernel=kernel,
         )
+
+
+def _causal_after(cached: int, n: int, device) -> torch.Tensor:
+    """[n, cached + n] bool: query token j (at position cached + j) attends to keys 0..cached + j."""
+    pos = torch.arange(cached + n, device=device)
+    return pos[None, :] <= pos[cached:, None]
 
 
 def paged_attention_forward(

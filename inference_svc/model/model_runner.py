@@ -25,6 +25,7 @@ import torch
 
 from inference_svc.model.attention import CONTEXT_KWARG, PagedAttentionContext, register
 from inference_svc.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES
+from inference_svc.model.host_copy import to_device
 from inference_svc.model.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
 from inference_svc.model.head.lm_head import LmHead
 from inference_svc.model.head.sparse_head import SparseHead
@@ -229,11 +230,11 @@ class PagedModelRunner:
         ctx = PagedAttentionContext.build(self.kv_cache, query_lens, [c.start_pos for c in chunks], tables,
                                           self._device, paged_kernel=self.attention_backend == "triton")
         # chain/accumulate run per token and per sequence in C, not in a Python loop.
-        input_ids = torch.tensor([list(chain.from_iterable(c.token_ids for c in chunks))], dtype=torch.long,
-                                 device=self._device)
-        position_ids = ctx.positions[None]
         last_index = [end - 1 for c, end in zip(chunks, accumulate(query_lens)) if c.needs_logits]
-        keep = torch.tensor(last_index, dtype=torch.long, device=self._device)
+        input_ids, keep = to_device(
+            self._device, torch.tensor([list(chain.from_iterable(c.token_ids for c in chunks))], dtype=torch.long),
+            torch.tensor(last_index, dtype=torch.long))
+        position_ids = ctx.positions[None]
         kwargs = {CONTEXT_KWARG: ctx}
         if not head or self.lm_head is not None:
             hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
