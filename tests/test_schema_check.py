@@ -99,6 +99,25 @@ def test_strict_schema_generates_what_the_grammar_enforces(inference_client):
     assert out.finish_reason == "stop" and out.schema_check == "valid"
 
 
+# An if/then on a required discriminator: structd's normalisation applies it (one anyOf case per kind).
+DISCRIMINATED = {"type": "object", "properties": {"kind": {"enum": ["point", "label"]}, "x": {"type": "integer"},
+                                                  "text": {"type": "string", "maxLength": 8}},
+                 "required": ["kind"], "additionalProperties": False,
+                 "if": {"properties": {"kind": {"const": "point"}}}, "then": {"required": ["x"]},
+                 "else": {"required": ["text"]}}
+
+
+def test_strict_schema_serves_an_if_then_the_grammar_applies(inference_client):
+    """xgrammar ignores if/then, but where normalisation rewrites it into cases the grammar enforces it: no
+    warning names it, and a strict_schema request is generated, not refused."""
+    out = inference_client.complete("shape:", json_schema=DISCRIMINATED, strict_schema=True, max_tokens=64,
+                                    temperature=1.0, seed=3)
+    assert out.warnings == []
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), DISCRIMINATED)
+        assert out.schema_check == "valid"
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     pytest.param(dict(regex="[a-z]+"), "strict_schema applies to json_schema only", id="regex"),
     pytest.param(dict(json_schema=ENFORCED, tools=[{"name": "f", "parameters": {"type": "object"}}]),

@@ -304,3 +304,29 @@ def test_compile_without_gaps_has_no_warnings(registered):
             await client.close()
 
     assert list(run(go()).warnings) == []
+
+
+# normalise applies this if/then (the discriminator is required: one anyOf case per value); not that one (its
+# condition is on a property that may be absent), which stays as written for xgrammar to ignore.
+APPLIED_IF = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "string"}},
+              "required": ["kind"], "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}}
+IGNORED_IF = {"type": "object", "properties": {"x": {"type": "string"}},
+              "if": {"required": ["x"]}, "then": {"properties": {"x": {"maxLength": 3}}}}
+
+
+@pytest.mark.parametrize("schema, expected", [
+    pytest.param(APPLIED_IF, [], id="applied-if-not-named"),
+    pytest.param(IGNORED_IF, [f"/: {IGNORED_KEYWORDS['if']}"], id="ignored-if-named"),
+    pytest.param({**APPLIED_IF, "uniqueItems": True}, [f"/: {IGNORED_KEYWORDS['uniqueItems']}"],
+                 id="applied-if-beside-an-ignored-keyword"),
+])
+def test_compile_names_an_if_only_where_the_grammar_ignores_it(registered, schema, expected):
+    async def go():
+        client = GrammarClient(registered.target)
+        try:
+            spec = pb.GrammarSpec(json_schema=pb.JsonSchema(schema=json.dumps(schema)))
+            return await client.compile(registered.fingerprint, spec, rpc_timeout=60)
+        finally:
+            await client.close()
+
+    assert list(run(go()).warnings) == expected

@@ -107,8 +107,9 @@ def _serialized(compiled) -> str | None:
 def serve(conn) -> None:
     import xgrammar as xgr
 
-    from grammar_svc.schema import schema_warnings
     from grammar_svc.compile.spec import compile_spec
+    from grammar_svc.schema import schema_warnings
+    from grammar_svc.schema.json_grammar import normalised_schema_text
     from grammar_svc.types import Kind
 
     compilers: dict[str, object] = {}
@@ -134,7 +135,8 @@ def serve(conn) -> None:
             duration = time.perf_counter() - start
             warnings = _warnings_from(capture.lines())
             if spec.kind is Kind.JSON_SCHEMA:
-                warnings += schema_warnings.scan(json.loads(spec.text))
+                warnings += schema_warnings.scan(json.loads(spec.text),
+                                                 json.loads(normalised_schema_text(spec.text, for_xgrammar=True)))
             # A fast compile is cheaper to redo in the server than to serialize.
             serialized = _serialized(compiled) if duration > ship_above_seconds else None
             conn.send(("ok", serialized, warnings, duration, compiled.memory_size_bytes))

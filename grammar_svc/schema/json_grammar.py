@@ -35,6 +35,7 @@ grammar id never refers to a grammar an older path compiled.
 
 from __future__ import annotations
 
+import functools
 import json
 
 from grammar_svc.schema.bounded_strings import rewrite_bounded_strings
@@ -47,6 +48,8 @@ from grammar_svc.types import JsonOptions, Whitespace
 GRAMMAR_REVISION = "json-grammar-14"
 
 
+# Cached: a compile worker asks again for the form it compiled, to tell which ignored keywords the rewrite applied.
+@functools.lru_cache(maxsize=4)
 def normalised_schema_text(schema_text: str, *, for_xgrammar: bool = False) -> str:
     """The schema a backend is given: normalised where that makes its grammar right, else as it was.
 

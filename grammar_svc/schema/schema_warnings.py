@@ -49,17 +49,21 @@ def _escape(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def scan(schema) -> list[str]:
-    """Warnings for ignored keywords, each with its JSON pointer, deduplicated, bounded."""
+def scan(schema, served=None) -> list[str]:
+    """Warnings for ignored keywords, each with its JSON pointer, deduplicated, bounded.
+
+    served: the schema the backend was given (schema_normalise's form). A keyword it no longer has anywhere was
+    applied by the rewrite (an if/then on a discriminator becomes one anyOf case per value) and is not named:
+    a strict_schema request for it is served, not refused.
+    """
+    still_there = None if served is None else _ignored_keywords_in(served)
     found: list[str] = []
     seen: set[str] = set()
-    stack = [("", schema)]
-    while stack and len(found) < MAX_WARNINGS:
-        pointer, node = stack.pop()
-        if not isinstance(node, dict):
-            continue
+    for pointer, node in _nodes(schema):
+        if len(found) >= MAX_WARNINGS:
+            break
         for key, message in IGNORED_KEYWORDS.items():
-            if key in node:
+            if key in node and (still_there is None or key in still_there):
                 line = f"{pointer or '/'}: {message}"
                 if line not in seen:
                     seen.add(line)
@@ -70,6 +74,21 @@ def scan(schema) -> list[str]:
         elif isinstance(fmt, str) and isinstance(node.get("pattern"), str):
             # xgrammar writes one of the two; structd gives it the pattern (grammar_svc/schema/json_grammar.py).
             found.append(f"{pointer or '/'}: {FORMAT_BESIDE_PATTERN.format(fmt=fmt)}")
+    return found[:MAX_WARNINGS]
+
+
+def _ignored_keywords_in(schema) -> set[str]:
+    return {key for _, node in _nodes(schema) for key in IGNORED_KEYWORDS if key in node}
+
+
+def _nodes(schema):
+    """(JSON pointer, node) of every schema object in `schema`, depth first."""
+    stack = [("", schema)]
+    while stack:
+        pointer, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield pointer, node
         for key in _SCHEMA_VALUED:
             if isinstance(node.get(key), dict):
                 stack.append((f"{pointer}/{_escape(key)}", node[key]))
@@ -83,7 +102,6 @@ def scan(schema) -> list[str]:
             if isinstance(sub, list):
                 for i, child in enumerate(sub):
                     stack.append((f"{pointer}/{_escape(key)}/{i}", child))
-    return found[:MAX_WARNINGS]
 
 
 @dataclass(frozen=True)
