@@ -291,9 +291,8 @@ def test_compile_reports_warnings_with_json_pointers(registered):
     assert again.cache_hit and list(again.warnings) == warnings
 
 
-def test_compile_without_gaps_has_no_warnings(registered):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3},
-                                               "d": {"type": "string", "format": "date"}}}
+def compiled(registered, schema: dict):
+    """The grammar server's CompileResponse for `schema`."""
 
     async def go():
         client = GrammarClient(registered.target)
@@ -303,7 +302,13 @@ def test_compile_without_gaps_has_no_warnings(registered):
         finally:
             await client.close()
 
-    assert list(run(go()).warnings) == []
+    return run(go())
+
+
+def test_compile_without_gaps_has_no_warnings(registered):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3},
+                                               "d": {"type": "string", "format": "date"}}}
+    assert list(compiled(registered, schema).warnings) == []
 
 
 # normalise applies this if/then (the discriminator is required: one anyOf case per value); not that one (its
@@ -321,12 +326,4 @@ IGNORED_IF = {"type": "object", "properties": {"x": {"type": "string"}},
                  id="applied-if-beside-an-ignored-keyword"),
 ])
 def test_compile_names_an_if_only_where_the_grammar_ignores_it(registered, schema, expected):
-    async def go():
-        client = GrammarClient(registered.target)
-        try:
-            spec = pb.GrammarSpec(json_schema=pb.JsonSchema(schema=json.dumps(schema)))
-            return await client.compile(registered.fingerprint, spec, rpc_timeout=60)
-        finally:
-            await client.close()
-
-    assert list(run(go()).warnings) == expected
+    assert list(compiled(registered, schema).warnings) == expected
