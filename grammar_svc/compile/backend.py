@@ -465,7 +465,7 @@ class GrammarBackend:
         try:
             while True:
                 flight = self._inflight.get(grammar_id)
-                if flight is None:
+                if flight is None or flight.task.done():  # (one ended, not yet removed by _compile_done)
                     flight = _Flight(asyncio.ensure_future(self._compile_once(tokenizer, spec, grammar_id, timeout)),
                                      tokenizer.fingerprint, timeout)
                     self._inflight[grammar_id] = flight
