@@ -373,6 +373,14 @@ REFS = [
           "allOf": [{"$ref": "#/definitions/s", "required": ["x"]}], "definitions": {"s": {"type": "object"}}},
          {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"s": {"type": "object"}},
           "type": "object"}, "draft-7-ref-siblings-ignored"),
+    # A `$ref` replacing its node up to draft 7: what sits beside it makes nothing `false` (the schema was refused).
+    *(case({"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"a": {}}, "type": "object",
+            "properties": {"p": {"$ref": "#/definitions/a", **siblings}}, "required": ["p"]},
+           {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"a": {}}, "type": "object",
+            "properties": {"p": {"$ref": "#/definitions/a", **siblings}}, "required": ["p"]},
+           f"draft-7-ref-siblings-{name}-left") for name, siblings in (
+        ("of-no-value", {"type": "string", "enum": [1]}), ("any-of-false", {"anyOf": [False]}),
+        ("all-of-false", {"allOf": [False]}))),
     # No `$schema`: read as 2020-12, as the output check's validator reads it (its siblings apply).
     case({"allOf": [{"$ref": "#/definitions/s", "required": ["x"]}], "definitions": {"s": {"type": "object"}}},
          {"definitions": {"s": {"type": "object"}}, "type": "object", "required": ["x"], "properties": {"x": {}}},

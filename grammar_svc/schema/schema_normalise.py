@@ -253,6 +253,8 @@ class _Normaliser:
 
     def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
+        if "$ref" in out and not self.ref_siblings:
+            return out  # the `$ref` replaces it: the keywords beside it neither constrain nor make it `false`
         if isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out:
             self._last_note = ""  # a note a merge below makes names why
             out = self._if_then_cases(out)
