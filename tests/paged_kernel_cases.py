@@ -5,8 +5,9 @@ interpreter runs the kernel on CPU tensors; it must be set before triton is
 imported, so tests/test_paged_kernel.py starts this in a process of its own)
 or on a CUDA device (`--device cuda`). Prints one JSON object: case id ->
 the largest absolute difference between the two outputs, and the tolerance
-for its dtype; last, the embedded model stepped on each backend (its greedy
-tokens must be the same, its logits within the tolerance).
+for its dtype; then the embedded model stepped on each backend (its greedy
+tokens must be the same, its logits within the tolerance), and a split step
+through several layers (how many sets of split buffers they used).
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ CASES = {
 # Cases run with the kernel's context split into this many parts (the CPU's own choice is 1).
 SPLITS = {"decode-split-context": 4, "extend-split-context-bf16": 3, "decode-split-uneven-parts": 7}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+# Layers of the step that checks the split buffers are allocated once per step, not once per layer.
+SHARED_LAYERS = 2
 HEAD_DIM = 16
 
 
-def run_case(case_id: str, device: str, seed: int = 0) -> float:
+def run_case(case_id: str, device: str, seed: int = 0, layers: int = 1) -> tuple[float, int]:
+    """(the largest difference between the backends over `layers` layers of one step, how many sets of split
+    buffers the kernel's layers used: one per step when split, none unsplit)."""
     query_lens, context_lens, heads, kv_heads, block_size, dtype_name, *rest = CASES[case_id]
     head_dim = rest[0] if rest else HEAD_DIM
     dtype = getattr(torch, dtype_name)
@@ -63,27 +68,33 @@ def run_case(case_id: str, device: str, seed: int = 0) -> float:
     tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.long)
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    cache = PagedKVCache(KVCacheSpec(1, kv_heads, head_dim, dtype, block_size), num_blocks, device)
-    for i, cached in enumerate(context_lens):  # what earlier steps wrote
-        pos = torch.arange(cached)
-        slots = (tables[i, pos // block_size] * block_size + pos % block_size).to(device)
-        cache.write(0, slots, torch.randn(cached, kv_heads, head_dim, generator=gen).to(device),
-                    torch.randn(cached, kv_heads, head_dim, generator=gen).to(device))
+    cache = PagedKVCache(KVCacheSpec(layers, kv_heads, head_dim, dtype, block_size), num_blocks, device)
+    for layer in range(layers):
+        for i, cached in enumerate(context_lens):  # what earlier steps wrote
+            pos = torch.arange(cached)
+            slots = (tables[i, pos // block_size] * block_size + pos % block_size).to(device)
+            cache.write(layer, slots, torch.randn(cached, kv_heads, head_dim, generator=gen).to(device),
+                        torch.randn(cached, kv_heads, head_dim, generator=gen).to(device))
     tokens = sum(query_lens)
     q = torch.randn(1, heads, tokens, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(device, dtype)
     outs = []
+    buffer_sets: list[tuple] = []  # held, so that a set made anew cannot reuse a freed one's identity
     for kernel in (True, False):
         ctx = PagedAttentionContext.build(cache, query_lens, context_lens, tables, torch.device(device),
                                           paged_kernel=kernel)
         assert (ctx.kernel is not None) == kernel  # every case has rows for the kernel
         if kernel and case_id in SPLITS:
             ctx = replace(ctx, kernel=replace(ctx.kernel, splits=SPLITS[case_id]))
-        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=head_dim**-0.5,
-                                         **{CONTEXT_KWARG: ctx})
-        outs.append(out.float())
-    return float((outs[0] - outs[1]).abs().max())
+        for layer in range(layers):
+            out, _ = paged_attention_forward(SimpleNamespace(layer_idx=layer), q, k, v, None,
+                                             scaling=head_dim**-0.5, **{CONTEXT_KWARG: ctx})
+            outs.append(out.float())
+            parts = ctx.kernel.buffers.parts if kernel else None
+            if parts is not None and not any(parts is seen for seen in buffer_sets):
+                buffer_sets.append(parts)
+    return max(float((a - b).abs().max()) for a, b in zip(outs[:layers], outs[layers:])), len(buffer_sets)
 
 
 def model_steps(device: str, backend: str) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -122,7 +133,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    result = {case: {"error": run_case(case, args.device), "tolerance": TOLERANCE[CASES[case][5]]} for case in CASES}
+    result = {case: {"error": run_case(case, args.device)[0], "tolerance": TOLERANCE[CASES[case][5]]}
+              for case in CASES}
+    # One split step through several layers: SDPA's output in each, from the one set of buffers.
+    error, sets = run_case("decode-split-uneven-parts", args.device, layers=SHARED_LAYERS)
+    result["split-buffers-shared-by-the-layers"] = {"error": error, "tolerance": TOLERANCE["float32"],
+                                                    "buffer_sets": sets}
     with torch.inference_mode():
         triton_seqs, triton_logits = model_steps(args.device, "triton")
         sdpa_seqs, sdpa_logits = model_steps(args.device, "sdpa")

@@ -65,6 +65,21 @@ def test_the_compiled_kernel_equals_sdpa_on_cuda(on_cuda, case):
     assert result["error"] <= result["tolerance"], result
 
 
+def test_the_layers_of_a_split_step_share_one_set_of_buffers(interpreted):
+    """The split variant's partial results are allocated by a step's first layer and reused by the others (not
+    allocated by every layer), and every layer still equals SDPA."""
+    result = interpreted["split-buffers-shared-by-the-layers"]
+    assert result["buffer_sets"] == 1 and result["error"] <= result["tolerance"], result
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/device/check runs these on a GPU "
+                    "machine)")
+def test_on_cuda_the_layers_of_a_split_step_share_one_set_of_buffers(on_cuda):
+    shared = on_cuda["split-buffers-shared-by-the-layers"]
+    assert shared["buffer_sets"] == 1 and shared["error"] <= shared["tolerance"], shared
+
+
 @pytest.mark.parametrize("programs, longest, target, want", [
     pytest.param(2, 8192, 264, 32, id="one-sequence-long-context-capped"),
     pytest.param(2, 2048, 264, 8, id="one-sequence-parts-of-256-keys"),

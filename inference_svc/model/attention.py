@@ -27,13 +27,13 @@ chunk still go to SDPA.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from inference_svc.model.host_copy import to_device
-from inference_svc.model.paged_kernel import paged_attention, splits_for
+from inference_svc.model.paged_kernel import SplitBuffers, paged_attention, splits_for
 from inference_svc.model.paged_kv import PagedKVCache, as_dtype
 
 ATTN_IMPLEMENTATION = "structd_paged"
@@ -76,6 +76,9 @@ class KernelPlan:
     longest: int = 0  # keys the longest of them attends to (sizes the kernel's context split)
     splits: int = 1  # parts per program's keys (paged_kernel.splits_for), chosen once for every layer
     whole_step: bool = False  # they are all the step's tokens, in order (token_index is 0..K-1)
+    # The split variant's partial results, allocated by the step's first layer and reused by the rest (empty
+    # unsplit: the unsplit kernel writes its output directly).
+    buffers: SplitBuffers = field(default_factory=SplitBuffers)
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,7 @@ def paged_attention_forward(
         return paged_attention(
             query[0].transpose(0, 1), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
             cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
-            splits=kp.splits)[None], None
+            splits=kp.splits, buffers=kp.buffers)[None], None
     if d is not None and d.whole_step:
         od = _decode_attention(query.transpose(1, 2), k_all, v_all, d, num_kv_heads, scaling)
         return od.reshape(1, num_tokens, num_heads, head_dim), None
@@ -263,7 +266,7 @@ def paged_attention_forward(
         out[kp.token_index] = paged_attention(
             q.index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
             cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
-            splits=kp.splits)
+            splits=kp.splits, buffers=kp.buffers)
     if d is not None:
         od = _decode_attention(q.index_select(0, d.token_index), k_all, v_all, d, num_kv_heads, scaling)
         out[d.token_index] = od.reshape(-1, num_heads, head_dim)

@@ -166,6 +166,7 @@ def paged_attention(
     scale: float,
     longest: int = 0,  # keys of the longest token's context (host-known): what a split is sized by
     splits: int = 1,  # parts per program's keys (splits_for: chosen once per step, not per layer)
+    buffers: SplitBuffers | None = None,  # the step's partial results, shared by its layers (None: this call's own)
 ) -> torch.Tensor:
     """[tokens, heads, head_dim]: each token's attention over its sequence's positions 0..its own, in query's dtype."""
     tokens, heads, head_dim = query.shape
@@ -179,9 +180,7 @@ def paged_attention(
     keys_per_split = -(-longest // (splits * BLOCK_N)) * BLOCK_N if splits > 1 else 2**30
     partial = splits > 1
     if partial:
-        part_m = torch.empty(tokens, heads, splits, dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=query.device)
+        part_m, part_l, part_acc = (buffers or SplitBuffers()).take(tokens, heads, splits, head_dim, query.device)
     else:
         part_m = part_l = part_acc = out  # never read nor written unsplit
     groups = heads // kv_heads
@@ -205,6 +204,27 @@ def paged_attention(
     weight = torch.exp(part_m - part_m.amax(-1, keepdim=True))
     total = (part_acc * weight[..., None]).sum(2) / (part_l * weight).sum(-1, keepdim=True)
     return total.to(query.dtype)
+
+
+class SplitBuffers:
+    """The split variant's partial results (each part's running maximum, denominator and unnormalised output) for
+    one step. Every layer of a step splits the same tokens and heads into the same parts, so the layers share one
+    set, allocated by the first: each layer's kernel overwrites what the layer before it wrote after that layer's
+    combine has read it (one stream on a GPU orders them)."""
+
+    def __init__(self) -> None:
+        self.parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (m, l, acc) once taken
+
+    def take(self, tokens: int, heads: int, splits: int, head_dim: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(m [tokens, heads, splits], l like m, acc [tokens, heads, splits, head_dim]), float32 on `device`:
+        the step's set, made anew only for a layer of another shape (a model whose layers differ)."""
+        if self.parts is None or self.parts[2].shape != (tokens, heads, splits, head_dim) \
+                or self.parts[2].device != device:
+            m = torch.empty(tokens, heads, splits, dtype=torch.float32, device=device)
+            self.parts = (m, torch.empty_like(m), torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32,
+                                                              device=device))
+        return self.parts
 
 
 def split_count(programs: int, longest: int, target_programs: int) -> int:
