@@ -6,8 +6,9 @@ imported, so tests/test_paged_kernel.py starts this in a process of its own)
 or on a CUDA device (`--device cuda`). Prints one JSON object: case id ->
 the largest absolute difference between the two outputs, and the tolerance
 for its dtype; then the embedded model stepped on each backend (its greedy
-tokens must be the same, its logits within the tolerance), and a split step
-through several layers (how many sets of split buffers they used).
+tokens must be the same, its logits within the tolerance), a split step
+through several layers (how many sets of split buffers they used), and the
+kernel launches of a Triton runner's start-up warm-up.
 """
 
 from __future__ import annotations
@@ -129,6 +130,36 @@ def model_steps(device: str, backend: str) -> tuple[list[list[int]], list[torch.
     return seqs, steps
 
 
+def warm_up_launches(device: str) -> list[str]:
+    """The paged kernel's launches ("unsplit" or "split", in order) while a Triton runner of the embedded model
+    is made: its warm-up's. Counted by wrapping the jitted kernel, which still runs."""
+    from inference_svc.model import paged_kernel
+    from inference_svc.model.embedded_model import ensure_embedded_model
+    from inference_svc.model.model_loading import load_model
+    from inference_svc.model.model_runner import PagedModelRunner
+
+    model, _ = load_model(ensure_embedded_model(), device)
+    spec = KVCacheSpec.from_model_config(model.config, next(model.parameters()).dtype, block_size=4)
+    jitted = paged_kernel._kernel
+    launches = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append("split" if kwargs["PARTIAL"] else "unsplit")
+                return jitted()[grid](*args, **kwargs)
+            return launch
+
+    paged_kernel._kernel = Counted
+    try:
+        # own_head=False: no LM head to set up, which the warm-up does not need (load_runner's create makes the
+        # runner with this same constructor).
+        PagedModelRunner(model, PagedKVCache(spec, 8, device), own_head=False, attention_backend="triton")
+    finally:
+        paged_kernel._kernel = jitted
+    return launches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
@@ -139,6 +170,7 @@ def main() -> None:
     error, sets = run_case("decode-split-uneven-parts", args.device, layers=SHARED_LAYERS)
     result["split-buffers-shared-by-the-layers"] = {"error": error, "tolerance": TOLERANCE["float32"],
                                                     "buffer_sets": sets}
+    result["warm-up"] = {"launches": warm_up_launches(args.device)}
     with torch.inference_mode():
         triton_seqs, triton_logits = model_steps(args.device, "triton")
         sdpa_seqs, sdpa_logits = model_steps(args.device, "sdpa")

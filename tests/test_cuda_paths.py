@@ -9,6 +9,8 @@ the embedded model:
   over a few hundred mixed prefill / decode / jump-forward-extend steps, in
   float32 and bfloat16, with SDPA and with Triton's paged kernel (the CPU
   float32 SDPA runner is the reference throughout);
+- a runner on Triton's kernel compiles its two variants when made and none
+  in its steps (split decodes of a long context included);
 - the compiled body with CUDA graphs (--compile default on CUDA), warmed up on
   a device thread as the server does, gives the eager body's greedy tokens
   there with no recompile, no graph recorded after the warm-up and no
@@ -250,6 +252,36 @@ def test_compiled_body_warmed_on_the_device_thread_equals_eager_there(tmp_path):
         blocks.free("elsewhere")
     finally:
         device_thread.shutdown(wait=True)
+
+
+def kernel_variants() -> int:
+    """Variants of the paged kernel Triton has compiled in this process (a JITFunction's device_caches hold
+    (kernel cache, ...) per device in triton 3.6 and 3.9 alike)."""
+    from inference_svc.model.paged_kernel import _kernel
+
+    return sum(len(entry[0]) for entry in _kernel().device_caches.values())
+
+
+def test_the_paged_kernel_compiles_nothing_after_the_runners_warm_up(tmp_path):
+    """A Triton runner compiles the kernel's two variants (unsplit, split) when it is made, as load_runner makes it
+    on the device thread; its steps then compile none: decodes, extends and chunks beside them, whose index
+    tensors sit at other offsets of the step's one copy each step, and a long context's split decodes."""
+    from inference_svc.model.paged_kernel import splits_for
+
+    model_dir = ensure_embedded_model(tmp_path / "model", TINY, progress=None)
+    before = kernel_variants()  # TINY's head shape: no other test compiles the kernel for it
+    runner = make_runner(model_dir, DEVICE, attention_backend="triton")
+    assert kernel_variants() == before + 2, "the warm-up did not compile both variants"
+    mixed_steps([runner], steps=60, seed=5, check=lambda step, logits: None)
+    long = 700
+    assert splits_for(2, long + 1, runner.device) > 1  # one sequence's 2 KV-head programs: its decodes split
+    blocks = runner.block_manager
+    blocks.allocate("long", long)
+    runner.forward(StepBatch.of([SequenceChunk("long", tuple(range(1, long + 1)), 0)]))
+    for n in range(3):
+        blocks.extend("long", 1)
+        runner.forward(StepBatch.of([SequenceChunk("long", (7,), long + n)]))
+    assert kernel_variants() == before + 2, "a step compiled a variant the warm-up had not"
 
 
 MASK_KINDS = {"few": 0.003, "most": 0.97, "random": 0.5, "none": 0.0, "all": 1.0}

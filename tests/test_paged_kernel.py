@@ -72,12 +72,19 @@ def test_the_layers_of_a_split_step_share_one_set_of_buffers(interpreted):
     assert result["buffer_sets"] == 1 and result["error"] <= result["tolerance"], result
 
 
+def test_a_triton_runner_runs_both_kernel_variants_when_made(interpreted):
+    """The warm-up that compiles the kernel at start on a GPU (here interpreted: nothing compiles, but the path
+    runs): one unsplit and one split launch while the runner is made, before any step."""
+    assert interpreted["warm-up"]["launches"] == ["unsplit", "split"]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (scripts/device/check runs these on a GPU "
                     "machine)")
-def test_on_cuda_the_layers_of_a_split_step_share_one_set_of_buffers(on_cuda):
+def test_on_cuda_the_split_buffers_are_shared_and_the_warm_up_runs_both_variants(on_cuda):
     shared = on_cuda["split-buffers-shared-by-the-layers"]
     assert shared["buffer_sets"] == 1 and shared["error"] <= shared["tolerance"], shared
+    assert on_cuda["warm-up"]["launches"] == ["unsplit", "split"]
 
 
 @pytest.mark.parametrize("programs, longest, target, want", [
@@ -134,11 +141,16 @@ def test_an_unknown_backend_is_refused_at_start():
 
 
 def test_the_ints_that_change_step_to_step_are_not_specialised():
-    """Triton compiles a variant per specialisation (1, multiple of 16) of an int argument; a name in
-    do_not_specialize that is not a parameter is ignored silently, so the names are checked here."""
+    """Triton compiles a variant per specialisation (1, multiple of 16) of an int argument and per alignment of a
+    pointer; a name in do_not_specialize that is not a parameter is ignored silently, so the names are checked
+    here."""
     if (missing := triton_unavailable()) is not None:
         untestable_here(f"the paged kernel needs triton: {missing}")
     from inference_svc.model.paged_kernel import _kernel
 
     unspecialised = {p.name for p in _kernel().params if p.do_not_specialize}
-    assert unspecialised == {"keys_per_split", "num_heads", "num_splits", "stride_tb"}
+    assert unspecialised == {"keys_per_split", "num_heads", "num_splits", "stride_tb", "stride_qt", "stride_qh",
+                             "stride_ot", "stride_oh"}
+    # Views at any 8-byte offset of the step's one index copy: 16-byte aligned or not from step to step.
+    unaligned = {p.name for p in _kernel().params if p.do_not_specialize_on_alignment}
+    assert unaligned == {"tables_ptr", "seq_ptr", "pos_ptr"}

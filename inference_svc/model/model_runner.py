@@ -26,6 +26,7 @@ import torch
 from inference_svc.model.attention import CONTEXT_KWARG, PagedAttentionContext, register
 from inference_svc.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_BYTES
 from inference_svc.model.host_copy import to_device
+from inference_svc.model.paged_kernel import warm_up
 from inference_svc.model.paged_kv import BlockManager, KVCacheSpec, PagedKVCache, SeqId
 from inference_svc.model.head.lm_head import LmHead
 from inference_svc.model.head.sparse_head import SparseHead
@@ -121,7 +122,8 @@ class PagedModelRunner:
         sharded, its output gathered by the layer's own hooks), and there is no sparse head; packed_head=False:
         the head never uses the oneDNN-packed kernel (--lm-head-kernel plain); greedy_screen=False: no
         bfloat16 screen of the head (--greedy-head off); attention_backend "triton": decodes and extends
-        attend through Triton's paged kernel (attention.py; resolved from --attention-backend by the caller)."""
+        attend through Triton's paged kernel (attention.py; resolved from --attention-backend by the caller),
+        whose variants are compiled here (warm_up_kernel)."""
         self.model = model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
@@ -138,6 +140,8 @@ class PagedModelRunner:
         # unless the model does more after it; the sparse head where its columns are exact.
         self.lm_head = _lm_head_for(model, packed_head, greedy_screen) if own_head else None
         self._head = SparseHead(self.lm_head, max_rows=64) if self.lm_head and self.lm_head.exact_columns else None
+        if attention_backend == "triton":
+            self.warm_up_kernel()
 
     @classmethod
     def create(
@@ -162,6 +166,18 @@ class PagedModelRunner:
         blocks = num_blocks if num_blocks is not None else spec.blocks_for_bytes(kv_cache_bytes)
         return cls(model, PagedKVCache(spec, blocks, param.device, prefix_caching=prefix_caching), own_head=tp_size == 1, packed_head=packed_head,
                    greedy_screen=greedy_screen, attention_backend=attention_backend)
+
+    def warm_up_kernel(self) -> None:
+        """Compiles the paged kernel's unsplit and split variants for this model's query heads and dtype and
+        this KV cache (paged_kernel.warm_up): made here, on the thread that loads the model (the engine's device
+        thread), rather than on the first decode and the first long-context step, which would stall the batch."""
+        config, spec = self.model.config, self.kv_cache.spec
+        # Query heads per KV head is the model's; the cache holds this rank's share of the KV heads.
+        groups = config.num_attention_heads // (getattr(config, "num_key_value_heads", None)
+                                                or config.num_attention_heads)
+        key, value = self.kv_cache.flat(0)  # every layer's cache has the same dtype and layout
+        warm_up(key, value, groups * spec.num_kv_heads, next(self.model.parameters()).dtype, spec.block_size)
+        log.info("paged attention kernel: unsplit and split variants ready")
 
     @property
     def vocab_size(self) -> int:

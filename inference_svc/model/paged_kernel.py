@@ -26,10 +26,13 @@ whose flash kernels reuse each key tile across many queries; a
 per-token program would read the keys once per query (so would a long chunk
 over cached context: attention.py sends those to SDPA too).
 
-Triton compiles for the GPU; the same kernel runs on CPU tensors under
-Triton's interpreter (TRITON_INTERPRET=1 in the environment of a process
-before it imports triton: triton's own library functions are built then),
-which is how tests/test_paged_kernel.py checks it against SDPA here.
+Triton compiles for the GPU, a variant per dtype and head shape for the
+unsplit and the split kernel, which a runner on this backend compiles when
+it is made (warm_up), not on the first step that needs each; the same
+kernel runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 in
+the environment of a process before it imports triton: triton's own library
+functions are built then), which is how tests/test_paged_kernel.py checks it
+against SDPA here.
 """
 
 from __future__ import annotations
@@ -95,10 +98,16 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    # Triton compiles a variant per specialisation of an int argument (1, a multiple of 16): these change from
-    # step to step (stride_tb with the longest block table), and a variant compiled on the forward thread is a
-    # stall in serving.
-    @triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits", "stride_tb"])
+    # Triton compiles a variant per specialisation of an int argument (1, a multiple of 16) and of a pointer's
+    # alignment (16 bytes), and a variant compiled on the forward thread is a stall in serving, so what may change
+    # from step to step is not specialised: stride_tb with the longest block table, the query's and output's
+    # strides with how the model (or the compiled body) laid out the query, and the alignment of the block
+    # tables, sequence rows and positions, views at any 8-byte offset of the step's one index copy (host_copy.py).
+    # What is left (dtypes, head shape, the cache's strides, block_size, PARTIAL) is fixed for a server, so its
+    # variants are warm_up's two.
+    @triton.jit(do_not_specialize=["keys_per_split", "num_heads", "num_splits", "stride_tb", "stride_qt",
+                                   "stride_qh", "stride_ot", "stride_oh"],
+                do_not_specialize_on_alignment=["tables_ptr", "seq_ptr", "pos_ptr"])
     def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_ptr, pos_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_tb,
@@ -225,6 +234,21 @@ class SplitBuffers:
             self.parts = (m, torch.empty_like(m), torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32,
                                                               device=device))
         return self.parts
+
+
+def warm_up(key_cache: torch.Tensor, value_cache: torch.Tensor, heads: int, dtype: torch.dtype,
+            block_size: int) -> None:
+    """Runs the kernel once unsplit and once split on a layer's cache (`key_cache`, `value_cache`: flat, as
+    paged_attention takes them) for queries of `heads` heads in `dtype`, so that Triton compiles both variants
+    here, at start, rather than on the first step that uses each, on the forward thread with the whole batch
+    waiting. One query at position 0 of block 0: it reads one slot and writes only its own output. Any split
+    count is the same variant (num_splits and keys_per_split are not specialised), so two parts stand for all."""
+    device = key_cache.device
+    query = torch.zeros(1, heads, key_cache.shape[2], dtype=dtype, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)  # the one token's sequence row, position, block
+    for splits in (1, 2):
+        paged_attention(query, key_cache, value_cache, zero[None], zero, zero, block_size, 1.0, longest=splits,
+                        splits=splits)
 
 
 def split_count(programs: int, longest: int, target_programs: int) -> int:
