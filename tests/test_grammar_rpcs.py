@@ -462,7 +462,8 @@ BAD_SPECS = [
     pytest.param(json_schema('{"type": "object",'), "not valid JSON", id="malformed-json-schema"),
     pytest.param(json_schema("[1, 2]"), "must be a JSON object or boolean", id="json-schema-not-object"),
     pytest.param(json_schema("false"), "matches nothing", id="json-schema-false"),
-    pytest.param(json_schema({"type": "array", "minItems": 3, "maxItems": 1}), "minItems is greater than maxItems",
+    pytest.param(json_schema({"type": "array", "minItems": 3, "maxItems": 1}),
+                 "json_schema matches nothing: at the root, its minItems 3 is greater than its maxItems 1",
                  id="unsatisfiable-min-items"),
     # Normalisation finds the schema matches nothing, and says where and why.
     pytest.param(json_schema({"type": "string", "enum": [1, 2]}),
@@ -476,6 +477,11 @@ BAD_SPECS = [
                  "its type 'integer'", id="required-property-of-no-value"),
     pytest.param(json_schema({"type": "array", "items": {"type": "string", "enum": [1]}, "minItems": 1}),
                  "its items accept no value and its minItems is 1", id="items-of-no-value"),
+    # xgrammar said "Invalid range: minimum greater than maximum", naming no place.
+    pytest.param(json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}},
+                              "required": ["n"]}),
+                 "at the root, its required property 'n' accepts no value; at /properties/n, its minimum 5 is greater "
+                 "than its maximum 2", id="required-property-of-contradictory-bounds"),
     pytest.param(json_schema(OBJ, whitespace=pb.WHITESPACE_STYLE_INDENTED, indent=99), "indent", id="indent-too-large"),
     pytest.param(json_schema(OBJ, whitespace=99), "whitespace style", id="unknown-whitespace-style"),
     pytest.param(pb.GrammarSpec(regex="[a-"), "Regex parsing error", id="bad-regex"),

@@ -96,10 +96,10 @@ TYPES = [
 
 BOUNDS = [
     *(case({"allOf": [{k: 2}, {k: 5}]}, {k: 5}, f"{k}-larger") for k in
-      ("minLength", "minItems", "minProperties", "minimum", "minContains", "exclusiveMinimum")),
+      ("minLength", "minItems", "minProperties", "minimum", "exclusiveMinimum")),
     *(case({"allOf": [{k: 5}, {k: 2}]}, {k: 5}, f"{k}-larger-first") for k in ("minimum", "exclusiveMinimum")),
     *(case({"allOf": [{k: 2}, {k: 5}]}, {k: 2}, f"{k}-smaller") for k in
-      ("maxLength", "maxItems", "maxProperties", "maximum", "maxContains", "exclusiveMaximum")),
+      ("maxLength", "maxItems", "maxProperties", "maximum", "exclusiveMaximum")),
     *(case({"allOf": [{k: 5}, {k: 2}]}, {k: 2}, f"{k}-smaller-second") for k in ("maximum", "exclusiveMaximum")),
     case({"allOf": [{"minimum": 1.5}, {"minimum": 1}]}, {"minimum": 1.5}, "float-bound"),
     *(case({"allOf": [{k: a}, {k: b}]}, {"allOf": [{k: a}, {k: b}]}, f"{k}-{'first' if a == '2' else 'second'}-"
@@ -171,7 +171,18 @@ KEYWORDS = [
     case({"allOf": [{"properties": {"a": {}}}, {"properties": []}]},
          {"allOf": [{"properties": {"a": {}}}, {"properties": []}]}, "properties-second-not-a-map-left"),
     *(case({"allOf": [{k: {"type": "string"}}, {k: {"maxLength": 2}}]}, {k: {"type": "string", "maxLength": 2}},
-           f"{k}-merged") for k in ("items", "additionalProperties", "propertyNames", "contains")),
+           f"{k}-merged") for k in ("items", "additionalProperties", "propertyNames")),
+    # ["abc", 1] has an item for each contains, and none for both: left (it was merged, narrower).
+    case({"allOf": [{"contains": {"type": "string"}}, {"contains": {"maxLength": 2}}]},
+         {"allOf": [{"contains": {"type": "string"}}, {"contains": {"maxLength": 2}}]}, "two-contains-left"),
+    case({"allOf": [{"contains": {"type": "string"}, "minContains": 2, "maxContains": 6},
+                    {"contains": {"type": "string"}, "minContains": 3, "maxContains": 4}]},
+         {"contains": {"type": "string"}, "minContains": 3, "maxContains": 4}, "one-contains-counts-merged"),
+    # A part's minContains counts its own contains' items: none, it says nothing (it counted the other part's).
+    case({"allOf": [{"contains": {"type": "string"}}, {"minContains": 0, "maxContains": 0}]},
+         {"contains": {"type": "string"}}, "counts-without-contains-dropped"),
+    case({"allOf": [{"minContains": 0}, {"contains": {"type": "string"}, "maxContains": 2}]},
+         {"contains": {"type": "string"}, "maxContains": 2}, "first-counts-without-contains-dropped"),
     case({"allOf": [{"items": [{"type": "string"}]}, {"items": {"type": "string", "maxLength": 1}}]},
          {"allOf": [{"items": [{"type": "string"}]}, {"items": {"type": "string", "maxLength": 1}}]},
          "tuple-items-left"),
@@ -260,8 +271,8 @@ ADDITIONAL_PROPERTIES = [
                                       {"additionalProperties": {"type": "integer"}}]},
          {"type": "object", "properties": {"a": False}, "additionalProperties": {"type": "integer"}},
          "own-name-contradicting-the-others-schema-is-false"),
-    case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]},
-         {"additionalProperties": False, "minProperties": 1}, "no-properties-at-all"),
+    # No object has a property and none: what else the node admits (_within_bounds).
+    case({"allOf": [{"additionalProperties": False}, {"minProperties": 1}]}, NOT_OBJECT, "no-properties-at-all"),
     # A pattern of one part names properties the other's additionalProperties governs too: the pattern's schema
     # meets it (false: the names are forbidden), not a node that lets them past it ({"kind": 1, "x": 1}).
     case({"allOf": [{"properties": {"kind": {}}, "additionalProperties": False},
@@ -293,7 +304,7 @@ ADDITIONAL_PROPERTIES = [
     # properties that is no map names no property (an invalid schema: not a crash, nor an INTERNAL answer).
     case({"allOf": [{"properties": 5, "additionalProperties": False},
                     {"required": ["a"], "additionalProperties": False}]},
-         NOT_OBJECT, "properties-not-a-map-names-none"),
+         {"properties": 5, "additionalProperties": False, **NOT_OBJECT}, "properties-not-a-map-names-none"),
     case({"properties": None, "required": ["b"]}, {"properties": None, "required": ["b"]},
          "required-beside-properties-not-a-map-left"),
     case({"allOf": [{"required": ["x-a"]}, {"patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False}]},
@@ -585,9 +596,9 @@ ONE_OF_TOLD_APART = [
                     {"type": "object", "properties": {"x": {}}, "required": ["x"], **CLOSED}]},
          "closed-branches-without-a-common-name"),
     case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED},
-                                      {"properties": {"b": {}}, "minProperties": 2, **CLOSED}]},
+                                      {"properties": {"b": {}}, "minProperties": 1, **CLOSED}]},
          {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED},
-                    {"type": "object", "properties": {"b": {}}, "minProperties": 2, **CLOSED}]},
+                    {"type": "object", "properties": {"b": {}}, "minProperties": 1, **CLOSED}]},
          "closed-branches-one-takes-the-empty-object-left"),
     case({"type": "object", "oneOf": [{"properties": {"a": {}}, **CLOSED}, {"properties": {"a": {}, "b": {}}, **CLOSED}]},
          {"oneOf": [{"type": "object", "properties": {"a": {}}, **CLOSED},
@@ -634,8 +645,11 @@ FALSE_PROPERTIES = [
     case({"properties": {"a": False}, "additionalProperties": False, "patternProperties": {"^a": {}}},
          {"properties": {"a": False}, "additionalProperties": False, "patternProperties": {"^a": {}}},
          "beside-pattern-properties-left"),
-    case({"properties": {"a": False, "b": False}, "additionalProperties": False, "required": ["a"]},
-         {"properties": {"a": False}, "additionalProperties": False, "required": ["a"]}, "required-one-left"),
+    # (A type name JSON does not have: not made `false`, nor narrowed to the other types, for its required `a`.)
+    case({"type": ["object", "strin"], "properties": {"a": False, "b": False}, "additionalProperties": False,
+          "required": ["a"]},
+         {"type": ["object", "strin"], "properties": {"a": False}, "additionalProperties": False, "required": ["a"]},
+         "required-one-left"),
 ]
 
 REQUIRED = [
@@ -646,8 +660,10 @@ REQUIRED = [
     case({"required": ["a"], "additionalProperties": {"type": "integer"}},
          {"required": ["a"], "additionalProperties": {"type": "integer"}, "properties": {"a": {"type": "integer"}}},
          "listed-with-additional-properties"),
-    case({"required": ["a"], "additionalProperties": False}, {"required": ["a"], "additionalProperties": False},
-         "additional-false-left"),
+    case({"required": ["a"], "additionalProperties": False}, NOT_OBJECT, "additional-false-is-no-object"),
+    case({"required": ["a"], "additionalProperties": False, "patternProperties": {"^a+": {}}},
+         {"required": ["a"], "additionalProperties": False, "patternProperties": {"^a+": {}}},
+         "additional-false-beside-a-pattern-left"),
     case({"required": ["a"], "patternProperties": {"^a": {"type": "string"}}},
          {"required": ["a"], "patternProperties": {"^a": {"type": "string"}}}, "pattern-properties-left"),
     case({"required": ["a"], "properties": []}, {"required": ["a"], "properties": []}, "properties-not-a-map-left"),
@@ -742,8 +758,8 @@ UNSATISFIABLE = [
     # Other keywords beside the enum are kept: only the type narrows it.
     case({"type": "string", "enum": ["a", 1], "maxLength": 3, "pattern": "^a"},
          {"type": "string", "enum": ["a"], "maxLength": 3, "pattern": "^a"}, "other-keywords-kept"),
-    case({"type": "string", "const": "a", "minLength": 5}, {"type": "string", "const": "a", "minLength": 5},
-         "other-keywords-not-checked"),
+    case({"type": "string", "const": "a", "pattern": "^b"}, {"type": "string", "const": "a", "pattern": "^b"},
+         "a-pattern-not-checked"),
     case({"allOf": [{"type": "string"}, {"const": 1}]}, False, "an-all-of-s-const-not-of-the-other-s-type"),
     case({"type": "object", "properties": {"a": NO_STRING}, "required": ["a"]}, False, "a-required-property"),
     case({"type": ["object"], "properties": {"a": NO_STRING}, "required": ["b", 7, ["a"], "a"]}, False,
@@ -753,10 +769,10 @@ UNSATISFIABLE = [
     case({"type": "object", "properties": {"a": NO_STRING, "b": {}}, "additionalProperties": False},
          {"type": "object", "properties": {"b": {}}, "additionalProperties": False},
          "an-optional-property-on-a-closed-object-unlisted"),
-    case({"properties": {"a": NO_STRING}, "required": ["a"]}, {"properties": {"a": False}, "required": ["a"]},
-         "untyped-node-left-non-objects-match-it"),
-    case({"type": ["object", "null"], "properties": {"a": NO_STRING}, "required": ["a"]},
-         {"type": ["object", "null"], "properties": {"a": False}, "required": ["a"]}, "another-type-left"),
+    # Other types ignore `required`: the node admits them (and no object).
+    case({"properties": {"a": NO_STRING}, "required": ["a"]}, NOT_OBJECT, "untyped-node-is-every-other-type"),
+    case({"type": ["object", "null"], "properties": {"a": NO_STRING}, "required": ["a"]}, {"type": "null"},
+         "another-type-kept"),
     case({"type": "object", "properties": {"a": NO_STRING}, "required": "a"},
          {"type": "object", "properties": {"a": False}, "required": "a"}, "required-not-a-list-left"),
     case({"type": "object", "properties": [], "required": ["a"]}, {"type": "object", "properties": [], "required": ["a"]},
@@ -771,7 +787,8 @@ UNSATISFIABLE = [
          "items-min-items-0"),
     case({"type": "array", "items": NO_STRING, "minItems": "1"}, {"type": "array", "items": False, "minItems": "1"},
          "min-items-not-a-number-left"),
-    case({"items": NO_STRING, "minItems": 2}, {"items": False, "minItems": 2}, "untyped-array-left"),
+    case({"items": NO_STRING, "minItems": 2}, {"type": ["boolean", "null", "number", "object", "string"]},
+         "untyped-node-is-every-other-type-than-array"),
     case({"type": "array", "prefixItems": [{}, NO_STRING], "minItems": 2}, False, "prefix-item-within-min-items"),
     case({"type": "array", "prefixItems": [{}, NO_STRING], "minItems": 1},
          {"type": "array", "prefixItems": [{}, False], "minItems": 1}, "prefix-item-past-min-items-left"),
@@ -812,6 +829,237 @@ UNSATISFIABLE = [
 ]
 
 
+# Bounds no value of a type meets: that type goes from the node (untyped: every other type), its keywords with
+# it; none left, the node is `false`. Enum values outside the bounds go; a const outside them is `false`. Only
+# bounds the schema's draft has, read as the output check (jsonschema) reads them; the neighbours that some value
+# meets are kept as they are.
+D4, D7 = "http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#"
+NAN = float("nan")  # one object: NaN equals only itself
+
+
+def every_type_but(*types):
+    return [t for t in ("array", "boolean", "null", "number", "object", "string") if t not in types]
+
+
+STRINGS = [
+    case({"type": "string", "minLength": 5, "maxLength": 2}, False, "min-length-past-max-length"),
+    case({"type": "string", "minLength": 2, "maxLength": 2}, {"type": "string", "minLength": 2, "maxLength": 2},
+         "equal-lengths-kept"),
+    case({"type": "string", "maxLength": -1}, False, "negative-max-length"),
+    case({"type": "string", "maxLength": 0}, {"type": "string", "maxLength": 0}, "max-length-0-kept"),
+    case({"type": "string", "minLength": 2.5, "maxLength": 2.7}, False, "no-whole-length-between"),
+    case({"type": "string", "minLength": 2.5, "maxLength": 3}, {"type": "string", "minLength": 2.5, "maxLength": 3},
+         "a-whole-length-between-kept"),
+    case({"type": ["string", "number"], "minLength": 5, "maxLength": 2}, {"type": "number"},
+         "string-dropped-from-a-type-list"),
+    case({"minLength": 5, "maxLength": 2}, {"type": every_type_but("string")}, "untyped-is-every-other-type"),
+    case({"type": ["string", "null"], "minLength": 5, "maxLength": 2, "pattern": "^a", "format": "email"},
+         {"type": "null", "format": "email"}, "string-keywords-go-with-the-type"),
+    case({"type": "string", "minLength": 5, "maxLength": "2"}, {"type": "string", "minLength": 5, "maxLength": "2"},
+         "max-length-not-a-number-left"),
+    case({"type": "string", "minLength": float("inf"), "maxLength": 2},
+         {"type": "string", "minLength": float("inf"), "maxLength": 2}, "infinite-bound-not-read"),
+    case({"type": "string", "minLength": True, "maxLength": 0}, {"type": "string", "minLength": True, "maxLength": 0},
+         "boolean-bound-not-read"),
+    case({"type": "strin", "minLength": 5, "maxLength": 2}, {"type": "strin", "minLength": 5, "maxLength": 2},
+         "a-type-name-that-is-no-type-left"),
+    case({"type": [], "minLength": 5, "maxLength": 2}, {"type": [], "minLength": 5, "maxLength": 2},
+         "no-type-names-left"),
+]
+
+NUMBERS = [
+    case({"type": "number", "minimum": 5, "maximum": 2}, False, "minimum-past-maximum"),
+    case({"type": "number", "minimum": 2, "maximum": 2}, {"type": "number", "minimum": 2, "maximum": 2},
+         "equal-bounds-kept"),
+    case({"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3}, False, "equal-exclusive-bounds"),
+    case({"type": "number", "minimum": 3, "exclusiveMaximum": 3}, False, "minimum-at-exclusive-maximum"),
+    case({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, False, "exclusive-minimum-at-maximum"),
+    case({"type": "number", "minimum": 1, "exclusiveMinimum": 3, "maximum": 3}, False, "the-tighter-minimum-read"),
+    case({"type": "number", "minimum": 3, "exclusiveMinimum": 1, "maximum": 3},
+         {"type": "number", "minimum": 3, "exclusiveMinimum": 1, "maximum": 3}, "the-tighter-minimum-inclusive"),
+    case({"type": "number", "minimum": 3, "exclusiveMinimum": 3, "maximum": 3}, False,
+         "exclusive-where-both-minimums-are-equal"),
+    case({"type": "number", "minimum": 3, "exclusiveMaximum": 3, "maximum": 3}, False,
+         "exclusive-where-both-maximums-are-equal"),
+    case({"type": "number", "exclusiveMinimum": 2, "exclusiveMaximum": 3},
+         {"type": "number", "exclusiveMinimum": 2, "exclusiveMaximum": 3}, "a-fraction-between-kept"),
+    case({"type": "integer", "exclusiveMinimum": 2, "exclusiveMaximum": 3}, False, "no-integer-between"),
+    case({"type": "integer", "minimum": 1.2, "maximum": 1.8}, False, "no-integer-between-fractions"),
+    case({"type": "integer", "minimum": 1.2, "maximum": 2}, {"type": "integer", "minimum": 1.2, "maximum": 2},
+         "an-integer-at-the-maximum-kept"),
+    case({"type": "integer", "minimum": 2, "exclusiveMaximum": 3}, {"type": "integer", "minimum": 2, "exclusiveMaximum": 3},
+         "an-integer-at-the-minimum-kept"),
+    case({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4}, False, "no-multiple-between"),
+    case({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 5},
+         {"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 5}, "a-multiple-at-the-maximum-kept"),
+    case({"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "exclusiveMaximum": 5}, False,
+         "no-multiple-between-exclusive-bounds"),
+    case({"type": "integer", "multipleOf": 5, "minimum": 0, "exclusiveMaximum": 5},
+         {"type": "integer", "multipleOf": 5, "minimum": 0, "exclusiveMaximum": 5}, "a-multiple-at-the-minimum-kept"),
+    case({"type": "integer", "multipleOf": 5, "minimum": -4, "maximum": -1}, False, "no-negative-multiple-between"),
+    case({"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4}, False, "a-number-multiple-is-an-integer"),
+    case({"type": "number", "multipleOf": 0.5, "minimum": 1.1, "maximum": 1.4},
+         {"type": "number", "multipleOf": 0.5, "minimum": 1.1, "maximum": 1.4}, "a-fractional-multiple-of-not-read"),
+    case({"type": "integer", "multipleOf": 0, "minimum": 1, "maximum": 4},
+         {"type": "integer", "multipleOf": 0, "minimum": 1, "maximum": 4}, "multiple-of-0-not-read"),
+    case({"type": "integer", "multipleOf": True, "minimum": 1.5, "maximum": 1.7}, False,
+         "boolean-multiple-of-not-read"),
+    case({"type": "integer", "minimum": 2**70 + 1, "maximum": 2**70 + 3, "multipleOf": 4}, False,
+         "large-integers-exact"),
+    case({"type": "integer", "minimum": 2**70 + 1, "maximum": 2**70 + 4, "multipleOf": 4},
+         {"type": "integer", "minimum": 2**70 + 1, "maximum": 2**70 + 4, "multipleOf": 4}, "large-multiple-kept"),
+    case({"type": "integer", "minimum": 0.5, "maximum": 0.9999999999999999}, False, "floats-exact"),
+    case({"type": ["number", "integer"], "minimum": 1.2, "maximum": 1.8},
+         {"type": "number", "minimum": 1.2, "maximum": 1.8}, "integer-dropped-beside-number"),
+    case({"type": ["integer", "string"], "minimum": 5, "maximum": 2, "multipleOf": 2}, {"type": "string"},
+         "number-keywords-go-with-the-type"),
+    case({"minimum": 5, "maximum": 2}, {"type": every_type_but("number")}, "untyped-is-every-other-type"),
+    case({"minimum": 1.2, "maximum": 1.8}, {"minimum": 1.2, "maximum": 1.8}, "untyped-fractions-kept"),
+    case({"type": "number", "minimum": 5}, {"type": "number", "minimum": 5}, "one-bound-kept"),
+    case({"type": "number", "maximum": 5, "exclusiveMaximum": 7}, {"type": "number", "maximum": 5, "exclusiveMaximum": 7},
+         "upper-bounds-alone-kept"),
+    case({"type": "number", "minimum": NAN, "maximum": 2}, {"type": "number", "minimum": NAN, "maximum": 2},
+         "nan-not-read"),
+    case({"$schema": D4, "type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3},
+         {"$schema": D4, "type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3},
+         "draft-4-exclusive-bounds-not-read"),
+    case({"$schema": D4, "type": "number", "minimum": 3, "maximum": 3, "exclusiveMinimum": True},
+         {"$schema": D4, "type": "number", "minimum": 3, "maximum": 3, "exclusiveMinimum": True},
+         "draft-4-exclusive-flag-not-read"),
+    case({"$schema": D4, "type": "number", "minimum": 5, "maximum": 2}, False, "draft-4-minimum-past-maximum"),
+]
+
+ARRAYS = [
+    case({"type": "array", "minItems": 3, "maxItems": 1}, False, "min-items-past-max-items"),
+    case({"type": "array", "minItems": 1, "maxItems": 1}, {"type": "array", "minItems": 1, "maxItems": 1},
+         "equal-counts-kept"),
+    case({"type": ["array", "null"], "minItems": 3, "maxItems": 1, "items": {"type": "string"}, "uniqueItems": True},
+         {"type": "null"}, "array-keywords-go-with-the-type"),
+    case({"minItems": 3, "maxItems": 1}, {"type": every_type_but("array")}, "untyped-is-every-other-type"),
+    case({"type": "array", "contains": False}, False, "contains-false"),
+    case({"type": "array", "contains": {"type": "string", "enum": [1]}}, False, "contains-of-no-value"),
+    case({"type": "array", "contains": False, "minContains": 0}, {"type": "array", "contains": False, "minContains": 0},
+         "contains-false-min-contains-0-kept"),
+    case({"$schema": D7, "type": "array", "contains": False, "minContains": 0}, False,
+         "draft-7-has-no-min-contains"),
+    case({"$schema": D4, "type": "array", "contains": False}, {"$schema": D4, "type": "array", "contains": False},
+         "draft-4-has-no-contains"),
+    case({"type": "array", "contains": {"type": "string"}, "maxItems": 0}, False, "contains-beside-max-items-0"),
+    case({"type": "array", "contains": {"type": "string"}, "maxItems": 1},
+         {"type": "array", "contains": {"type": "string"}, "maxItems": 1}, "contains-beside-max-items-1-kept"),
+    case({"type": "array", "contains": {"type": "string"}, "minContains": 3, "maxItems": 2}, False,
+         "min-contains-past-max-items"),
+    case({"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxItems": 2},
+         {"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxItems": 2},
+         "min-contains-at-max-items-kept"),
+    case({"type": "array", "contains": {"type": "string"}, "minContains": 3, "maxContains": 2}, False,
+         "min-contains-past-max-contains"),
+    case({"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxContains": 2},
+         {"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxContains": 2},
+         "equal-contains-counts-kept"),
+    case({"type": "array", "contains": {"type": "string"}, "maxContains": 0}, False, "max-contains-0"),
+    case({"$schema": D7, "type": "array", "contains": {}, "minContains": 3, "maxContains": 2},
+         {"$schema": D7, "type": "array", "contains": {}, "minContains": 3, "maxContains": 2},
+         "draft-7-has-no-contains-counts"),
+    case({"type": "array", "contains": {}, "minContains": "2", "maxItems": 0},
+         {"type": "array", "contains": {}, "minContains": "2", "maxItems": 0}, "min-contains-not-a-number-not-read"),
+    case({"type": "array", "minContains": 3, "maxItems": 2}, {"type": "array", "minContains": 3, "maxItems": 2},
+         "min-contains-without-contains-kept"),
+]
+
+OBJECTS = [
+    case({"type": "object", "minProperties": 3, "maxProperties": 1}, False, "min-properties-past-max-properties"),
+    case({"type": "object", "minProperties": 1, "maxProperties": 1},
+         {"type": "object", "minProperties": 1, "maxProperties": 1}, "equal-counts-kept"),
+    case({"type": "object", "required": ["a", "b", "c"], "maxProperties": 2}, False, "more-required-than-max"),
+    case({"type": "object", "required": ["a", "b", "a", 7], "maxProperties": 2},
+         {"type": "object", "required": ["a", "b", "a"], "maxProperties": 2, "properties": {"a": {}, "b": {}}},
+         "a-required-name-counted-once"),
+    case({"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}, False,
+         "required-and-closed-out"),
+    case({"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+         {"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+         "required-and-listed-kept"),
+    case({"type": "object", "patternProperties": {"^b": {}}, "required": ["b"], "additionalProperties": False},
+         {"type": "object", "patternProperties": {"^b": {}}, "required": ["b"], "additionalProperties": False},
+         "required-and-matched-by-a-pattern-kept"),
+    case({"type": "object", "patternProperties": {"^c": {}}, "required": ["b"], "additionalProperties": False}, False,
+         "required-and-matched-by-no-literal-pattern"),
+    case({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False}, False,
+         "more-properties-than-it-allows"),
+    case({"type": "object", "properties": {"a": {}, "b": NO_STRING}, "minProperties": 2, "additionalProperties": False},
+         False, "a-false-property-not-allowed"),
+    case({"type": "object", "properties": {"a": {}}, "minProperties": 1, "additionalProperties": False},
+         {"type": "object", "properties": {"a": {}}, "minProperties": 1, "additionalProperties": False},
+         "as-many-properties-as-it-allows-kept"),
+    case({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False,
+          "patternProperties": {"^x": {}}},
+         {"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False,
+          "patternProperties": {"^x": {}}}, "a-pattern-allows-more-kept"),
+    case({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": {"type": "string"}},
+         {"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": {"type": "string"}},
+         "open-object-kept"),
+    case({"type": "object", "properties": [], "required": ["b"], "additionalProperties": False},
+         {"type": "object", "properties": [], "required": ["b"], "additionalProperties": False},
+         "properties-not-a-map-left"),
+    case({"type": ["object", "string"], "minProperties": 3, "maxProperties": 1, "required": ["a"]}, {"type": "string"},
+         "object-keywords-go-with-the-type"),
+]
+
+CONST_ENUM = [
+    case({"type": "string", "const": "a", "minLength": 5}, False, "const-shorter-than-min-length"),
+    case({"type": "string", "const": "abcde", "minLength": 5}, {"type": "string", "const": "abcde", "minLength": 5},
+         "const-at-min-length-kept"),
+    case({"const": "abc", "maxLength": 2}, False, "untyped-const-longer-than-max-length"),
+    case({"const": 3, "maxLength": 2}, {"const": 3, "maxLength": 2}, "a-length-says-nothing-of-a-number"),
+    case({"type": "integer", "enum": [1, 10], "maximum": 5}, {"type": "integer", "enum": [1], "maximum": 5},
+         "enum-values-past-the-maximum-dropped"),
+    case({"type": "integer", "enum": [10, 20], "maximum": 5}, False, "every-enum-value-past-the-maximum"),
+    case({"enum": [10, "abc"], "maximum": 5, "maxLength": 2}, False, "every-enum-value-outside-its-bounds"),
+    case({"type": "string", "enum": [1, "abc"], "maxLength": 2}, False, "one-of-another-type-one-too-long"),
+    case({"enum": [[1, 2], [1]], "maxItems": 1}, {"enum": [[1]], "maxItems": 1}, "enum-arrays-with-too-many-items"),
+    case({"enum": [[]], "minItems": 1}, False, "enum-array-with-too-few-items"),
+    case({"enum": [{"a": 1}, {"b": 1}], "required": ["a"]},
+         {"enum": [{"a": 1}], "required": ["a"], "properties": {"a": {}}}, "enum-objects-without-a-required-name"),
+    case({"enum": [{"a": 1, "b": 2}], "maxProperties": 1}, False, "enum-object-with-too-many-properties"),
+    case({"enum": [{}], "minProperties": 1}, False, "enum-object-with-too-few-properties"),
+    case({"enum": [5, 6], "multipleOf": 3}, {"enum": [6], "multipleOf": 3}, "enum-values-not-multiples-dropped"),
+    case({"enum": [5.5, 6.0], "multipleOf": 3}, {"enum": [6.0], "multipleOf": 3}, "a-float-multiple"),
+    case({"enum": [5.5], "multipleOf": 0.5}, {"enum": [5.5], "multipleOf": 0.5}, "fractional-multiple-of-not-read"),
+    case({"enum": [1, 2, 3], "exclusiveMinimum": 1, "exclusiveMaximum": 3},
+         {"enum": [2], "exclusiveMinimum": 1, "exclusiveMaximum": 3}, "enum-values-at-exclusive-bounds-dropped"),
+    case({"enum": [1, 2, 3], "minimum": 2}, {"enum": [2, 3], "minimum": 2}, "enum-values-below-the-minimum-dropped"),
+    case({"enum": [True, None, "a"], "maximum": 0, "maxItems": 0}, {"enum": [True, None, "a"], "maximum": 0, "maxItems": 0},
+         "bounds-say-nothing-of-other-types"),
+    case({"const": [], "contains": False}, False, "a-const-of-a-type-its-bounds-leave-none-of"),
+    case({"enum": ["a", 1], "minLength": 5, "maxLength": 2}, {"enum": [1], "type": every_type_but("string")},
+         "enum-values-of-a-dropped-type-dropped"),
+    case({"type": "string", "enum": ["a"], "minLength": True}, {"type": "string", "enum": ["a"], "minLength": True},
+         "boolean-bound-not-read"),
+    case({"$schema": D4, "type": "string", "const": "a", "minLength": 5},
+         {"$schema": D4, "type": "string", "const": "a", "minLength": 5}, "draft-4-has-no-const"),
+    case({"$schema": D4, "type": "integer", "const": "a"}, {"$schema": D4, "type": "integer", "const": "a"},
+         "draft-4-const-not-of-the-type-left"),
+    case({"$schema": D4, "type": "integer", "enum": [1, 10], "maximum": 5, "exclusiveMaximum": 1},
+         {"$schema": D4, "type": "integer", "enum": [1], "maximum": 5, "exclusiveMaximum": 1},
+         "draft-4-exclusive-maximum-not-read-for-enum-values"),
+]
+
+# What no value satisfies goes up as before: a required property, an item within minItems, a branch dropped.
+BOUNDS_NESTED = [
+    case({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}, "required": ["s"]},
+         False, "a-required-property"),
+    case({"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}, "t": {}}},
+         {"type": "object", "properties": {"s": False, "t": {}}}, "an-optional-property"),
+    case({"anyOf": [{"type": "string", "minLength": 5, "maxLength": 2}, {"type": "null"}]}, {"anyOf": [{"type": "null"}]},
+         "an-any-of-branch-dropped"),
+    case({"allOf": [{"type": "string", "minLength": 5}, {"maxLength": 2}]}, False, "merged-bounds"),
+    case({"type": "array", "items": {"type": "integer", "minimum": 5, "maximum": 2}, "minItems": 1}, False,
+         "items-within-min-items"),
+    case({"type": "string", "anyOf": [{"minLength": 5}, {"maxLength": 3}], "maxLength": 2},
+         {"anyOf": [{"type": "string", "maxLength": 2}]}, "distributed-siblings-contradict-a-branch"),
+]
+
 MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
 ONE = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
        "unevaluatedProperties", "unevaluatedItems")
@@ -831,7 +1079,8 @@ REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additio
             "ref": REFS, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
             "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS,
             "if-then-cases": IF_THEN_CASES, "false-properties": FALSE_PROPERTIES, "one-of-told-apart": ONE_OF_TOLD_APART,
-            "unsatisfiable": UNSATISFIABLE}
+            "unsatisfiable": UNSATISFIABLE, "strings": STRINGS, "numbers": NUMBERS, "arrays": ARRAYS,
+            "objects": OBJECTS, "const-enum": CONST_ENUM, "bounds-nested": BOUNDS_NESTED}
 
 
 @pytest.mark.parametrize("schema, expected", [pytest.param(*p.values, id=f"{rewrite}-{p.id}")
@@ -845,6 +1094,72 @@ def test_each_rewrite(schema, expected):
         assert normalise_schema(schema) == expected
     # The caller's schema is not written into (a merge that gave up once left a part with a property false).
     assert schema == given
+
+
+def why(schema, reason, id):
+    return pytest.param(schema, reason, id=id)
+
+
+# What a refusal for bounds says (after "json_schema matches nothing: at the root, ").
+BOUNDS_REFUSED = [
+    why({"type": "string", "minLength": 5, "maxLength": 2}, "its minLength 5 is greater than its maxLength 2",
+        "min-past-max"),
+    why({"type": "string", "maxLength": -1}, "its maxLength -1 is negative", "negative-max"),
+    why({"type": "string", "minLength": 2.5, "maxLength": 2.7},
+        "no whole number is within its minLength 2.5 and its maxLength 2.7", "no-whole-count"),
+    why({"type": "object", "required": ["a", "b", "c"], "maxProperties": 2},
+        "its maxProperties 2 is less than the number of properties it requires (3)", "required-past-max"),
+    why({"type": "number", "minimum": 5, "maximum": 2}, "its minimum 5 is greater than its maximum 2", "minimum-past"),
+    why({"type": "number", "exclusiveMinimum": 3, "exclusiveMaximum": 3},
+        "its exclusiveMinimum 3 equals its exclusiveMaximum 3", "exclusive-equal"),
+    why({"type": "integer", "exclusiveMinimum": 2, "exclusiveMaximum": 3},
+        "no integer is within its exclusiveMinimum 2 and its exclusiveMaximum 3", "no-integer"),
+    why({"type": "integer", "multipleOf": 5, "minimum": 1, "maximum": 4},
+        "no multiple of its multipleOf 5 is within its minimum 1 and its maximum 4", "no-multiple"),
+    why({"type": "array", "contains": False}, "its contains accepts no item", "contains-false"),
+    why({"type": "array", "contains": {}, "maxItems": 0}, "its maxItems 0 is less than the item its contains needs",
+        "contains-past-max-items"),
+    why({"type": "array", "contains": {}, "minContains": 2, "maxItems": 1},
+        "its maxItems 1 is less than its minContains 2", "min-contains-past-max-items"),
+    why({"type": "array", "contains": {}, "minContains": 2, "maxContains": 1},
+        "its maxContains 1 is less than its minContains 2", "min-contains-past-max-contains"),
+    why({"type": "object", "required": ["b"], "additionalProperties": False},
+        "its required property 'b' is one its additionalProperties false forbids", "required-forbidden"),
+    why({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False},
+        "its minProperties 2 is more than the number of properties it allows (1)", "more-than-allowed"),
+    # Each type's reason, in the order of its type.
+    why({"type": ["object", "string"], "properties": {"a": False}, "required": ["a"], "minLength": 5, "maxLength": 2},
+        "its required property 'a' accepts no value and its minLength 5 is greater than its maxLength 2",
+        "two-types"),
+    why({"type": ["array", "null"], "items": False, "minItems": 1, "enum": [[1]]},
+        "none of its enum values is of its type and within its bounds ([1] is of type array, and its items accept no "
+        "value and its minItems is 1)", "of-a-type-left-out"),
+    why({"type": "string", "const": "a", "minLength": 5}, "its const 'a' has fewer characters than its minLength 5",
+        "const-too-short"),
+    why({"const": [1, 2], "maxItems": 1}, "its const [1, 2] has more items than its maxItems 1", "const-too-long"),
+    why({"const": [], "contains": False}, "its const [] is of type array, and its contains accepts no item",
+        "const-of-a-type-left-out"),
+    why({"const": {"b": 1}, "required": ["a"]}, "its const {'b': 1} lacks its required property 'a'",
+        "const-without-a-required-name"),
+    why({"enum": [1, "abc", 9, 4], "maxLength": 2, "exclusiveMinimum": 2, "exclusiveMaximum": 9, "multipleOf": 3},
+        "none of its enum values is of its type and within its bounds (1 is not above its exclusiveMinimum 2; 'abc' "
+        "has more characters than its maxLength 2; 9 is not below its exclusiveMaximum 9)", "enum-first-three"),
+    why({"enum": [2, 5, 4.5], "minimum": 3, "maximum": 5, "multipleOf": 2},
+        "none of its enum values is of its type and within its bounds (2 is below its minimum 3; 5 is not a multiple "
+        "of its multipleOf 2; 4.5 is not a multiple of its multipleOf 2)", "enum-minimum-multiple-of"),
+    why({"enum": [6], "maximum": 5}, "none of its enum values is of its type and within its bounds (6 is above its "
+        "maximum 5)", "enum-maximum"),
+    why({"type": "string", "enum": [1, "abc"], "maxLength": 2},
+        "none of its enum values is of its type and within its bounds (1 is not of its type 'string'; 'abc' has more "
+        "characters than its maxLength 2)", "enum-of-another-type"),
+]
+
+
+@pytest.mark.parametrize("schema, reason", BOUNDS_REFUSED)
+def test_a_refusal_names_the_bounds(schema, reason):
+    with pytest.raises(InvalidGrammarError) as refused:
+        normalise_schema(schema)
+    assert str(refused.value) == f"json_schema matches nothing: at the root, {reason}; correct the part named last"
 
 
 @pytest.mark.parametrize("schema", [

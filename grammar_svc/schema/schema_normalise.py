@@ -24,6 +24,24 @@ meaning:
   `anyOf`/`oneOf` branches that are `false` are dropped (none left: the node
   is `false`). A schema that is `false` as a whole is refused
   (InvalidGrammarError naming where and why);
+- a type whose values the node's own bounds leave none of goes from its
+  `type` (an untyped node: every other type), the keywords only that type
+  reads with it; none left, the node is `false`. Those bounds:
+  `minLength`/`maxLength`, `minItems`/`maxItems`, `minProperties`/
+  `maxProperties` with no count between (or past the names `required` lists,
+  or the names `additionalProperties: false` leaves), a `minimum`/
+  `exclusiveMinimum` past the `maximum`/`exclusiveMaximum` (for integer: no
+  integer between; a whole `multipleOf`: no multiple between), a `contains`
+  that accepts no item or more items than `maxItems`/`maxContains` allow, a
+  required property or an item within `minItems` that is `false`. `enum`
+  values outside the bounds are dropped (none left, or a `const` outside
+  them: `false`). xgrammar refuses most of these on a node of that one type
+  (naming no place) and on a type list (which some value satisfies); it
+  compiles the others to documents the schema rejects (`[]` for `contains:
+  false`, an enum's values past its `maximum`). Only keywords the schema's
+  draft has are read (no `const`, `contains` or numeric `exclusiveMinimum` in
+  draft 4, no `minContains` before 2019-09), as jsonschema reads them; a
+  bound that is no finite number, and a fractional `multipleOf`, are not;
 - `not` with only a `type` becomes the remaining types (xgrammar ignores
   `not`; `not: {"type": "integer"}` also leaves out non-integral numbers,
   which no JSON Schema type names);
@@ -74,6 +92,12 @@ a literal (`^x-` is one; `^x-+` is not) leaves the other part's names alone,
 as if the pattern matched them: running a schema's own regexes here could
 stall the service on one hostile pattern.
 
+Where the schema names a draft up to 7, a node with a `$ref` is left as it is:
+the `$ref` replaces it, the keywords beside it constrain nothing (nor make it
+`false`). Two `allOf` parts' `contains` are not merged (an array may hold an
+item for each and none for both), and a part's `minContains`/`maxContains`
+count only its own `contains`' items: without one they are dropped.
+
 Merging siblings into branches and inlining `$ref`s copies subschemas, so a
 small schema can normalise to an exponentially large one (sixteen nested
 `{properties: {p: ...}, anyOf: [...]}` levels, or `allOf: [{$ref}, {$ref}]`
@@ -86,7 +110,9 @@ without bound.
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 from typing import Any
 
 from shared.errors import InvalidGrammarError, RequestTooLargeError
@@ -119,6 +145,11 @@ _TYPE_NAMES = frozenset({*_JSON_TYPES, "number", "integer"})
 # The `$schema` of the drafts where a `$ref` replaces its node (every keyword beside it ignored). A schema
 # naming no draft is read as 2020-12, where they apply, as the output check reads it.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
+# The keywords a draft does not have, of those that make a node `false` (draft 4's `exclusiveMinimum` is a flag
+# on `minimum`; const and contains came in draft 6, minContains in 2019-09): not read in a schema naming it.
+_UNREAD = {"draft-03": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains"),
+           "draft-04": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains"),
+           "draft-06": ("minContains", "maxContains"), "draft-07": ("minContains", "maxContains")}
 
 
 class _CannotMerge(Exception):
@@ -207,6 +238,9 @@ class _Normaliser:
     def __init__(self, root: dict, ref_siblings: bool, budget: int):
         self.root = root
         self.ref_siblings = ref_siblings
+        draft = root.get("$schema")
+        self.unread = frozenset(k for d, keys in _UNREAD.items() if isinstance(draft, str) and d in draft
+                                for k in keys)
         self.budget = budget
         self._produced = 0
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
@@ -282,10 +316,13 @@ class _Normaliser:
                     return self._false(f"every branch of its {key} accepts no value",
                                        self.notes.get(self._here(key, "0"), ""))
                 out = {**out, key: [b for b in out[key] if b is not False]}
-        found = _unsatisfiable(out)
+        found = _unsatisfiable(out, self.unread)
         if found is not None:
             why, part = found
             return self._false(why, self.notes.get(self._here(*part), "") if part else "")
+        out, why = _within_bounds(out, self.unread)
+        if out is False:
+            return self._false(why)
         if isinstance(out.get("oneOf"), list):
             out = _one_of_told_apart(out)
         if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
@@ -436,6 +473,10 @@ class _Normaliser:
             return self.merge(a, b)  # a `$ref` to `true` or `false`: merged as that schema
         if "allOf" in a or "allOf" in b:
             raise _CannotMerge("an allOf that could not be merged itself")  # parts arrive normalised
+        # A part's minContains/maxContains count its own `contains` items (none: they say nothing), never the
+        # other part's: a merged node would apply them to those.
+        a, b = ({k: v for k, v in p.items() if "contains" in p or k not in ("minContains", "maxContains")}
+                for p in (a, b))
         self._spend()
         out = dict(a)
         try:
@@ -475,7 +516,8 @@ class _Normaliser:
                 else:
                     out[name] = schema
             return out
-        if key in ("items", "additionalProperties", "propertyNames", "contains") and not isinstance(av, list) \
+        # (Not two `contains`: an array may hold an item for each, and none that satisfies both.)
+        if key in ("items", "additionalProperties", "propertyNames") and not isinstance(av, list) \
                 and not isinstance(bv, list):
             self._enter(key)
             try:
@@ -589,10 +631,11 @@ def _not_type(node: dict) -> dict:
     return out
 
 
-def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
+def _unsatisfiable(node: dict, unread: frozenset) -> tuple[str, tuple[str, ...]] | None:
     """Why no value satisfies `node` (its keywords final), with the path of the part that makes it so (empty: the
     node's own keywords); None where some value may. Only what is certain: an object's required property or an
-    array's items matter only where the node's type is that type alone (other types ignore those keywords)."""
+    array's items matter only where the node's type is that type alone (other types ignore those keywords; where
+    it admits others, _within_bounds drops the type)."""
     types = _types(node.get("type"))
     known = bool(types) and set(types) <= _TYPE_NAMES
     enum = node.get("enum")
@@ -600,24 +643,232 @@ def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
         return "its enum lists no value", ()
     if known and isinstance(enum, list) and not any(_has_type(v, types) for v in enum):
         return f"none of its enum values is of its type {node['type']!r}", ()
-    if known and "const" in node and not _has_type(node["const"], types):
+    if known and "const" in node and "const" not in unread and not _has_type(node["const"], types):
         return f"its const {node['const']!r} is not of its type {node['type']!r}", ()
-    if types == ["object"] and isinstance(node.get("properties"), dict) and isinstance(node.get("required"), list):
+    if types == ["object"]:
+        return _false_required(node)
+    if types == ["array"]:
+        return _false_items(node)
+    return None
+
+
+def _false_required(node: dict) -> tuple[str, tuple[str, ...]] | None:
+    """Why no object satisfies `node` (a required property that is `false`), with that property's path."""
+    if isinstance(node.get("properties"), dict) and isinstance(node.get("required"), list):
         for name in node["required"]:
             if isinstance(name, str) and node["properties"].get(name) is False:
                 return f"its required property {name!r} accepts no value", ("properties", name)
+    return None
+
+
+def _false_items(node: dict) -> tuple[str, tuple[str, ...]] | None:
+    """Why no array satisfies `node` (items that are `false` where minItems asks for some), with their path."""
     min_items = node.get("minItems")  # none: 0, which no rule below applies to
-    if types == ["array"] and _numbers(min_items):
-        # 2020-12: items beside prefixItems governs the elements past them only (a closed tuple).
-        prefix_len = len(node["prefixItems"]) if isinstance(node.get("prefixItems"), list) else 0
-        if node.get("items") is False and min_items > prefix_len:
-            return f"its items accept no value and its minItems is {min_items}", ("items",)
-        for key in ("prefixItems", "items"):
-            prefix = node.get(key)
-            # `is`, not `in`/index: 0 == False in Python
-            i = next((i for i, v in enumerate(prefix) if v is False), None) if isinstance(prefix, list) else None
-            if i is not None and i < min_items:
-                return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
+    if not _numbers(min_items):
+        return None
+    # 2020-12: items beside prefixItems governs the elements past them only (a closed tuple).
+    prefix_len = len(node["prefixItems"]) if isinstance(node.get("prefixItems"), list) else 0
+    if node.get("items") is False and min_items > prefix_len:
+        return f"its items accept no value and its minItems is {min_items}", ("items",)
+    for key in ("prefixItems", "items"):
+        prefix = node.get(key)
+        # `is`, not `in`/index: 0 == False in Python
+        i = next((i for i, v in enumerate(prefix) if v is False), None) if isinstance(prefix, list) else None
+        if i is not None and i < min_items:
+            return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
+    return None
+
+
+def _within_bounds(node: dict, unread: frozenset) -> tuple[Any, str]:
+    """`node` without the types its own bounds leave no value of, and without the `enum` values they reject;
+    `false` (with why) where nothing is left. Only bounds read as the output check reads them (`unread`: those
+    the schema's draft does not have), and only where certain: `node` as it was otherwise."""
+    types = _types(node.get("type"))
+    if "type" in node and not (types and set(types) <= _TYPE_NAMES):
+        return node, ""  # a type JSON does not have (or none named): not ours to read
+    empty = _empty_types(node, unread)
+    admitted = types or _ANY_TYPE
+    left = [t for t in admitted if t not in empty]
+    if not left:
+        return False, " and ".join(dict.fromkeys(empty[t] for t in admitted))
+    const = "const" in node and "const" not in unread
+    values = [node["const"]] if const else node["enum"] if isinstance(node.get("enum"), list) else []
+    whys = [_excluded(v, node, empty, unread) for v in values]
+    if whys and None not in whys:
+        return False, (f"its const {whys[0]}" if const else
+                       f"none of its enum values is of its type and within its bounds ({'; '.join(whys[:3])})")
+    out = node
+    if left != admitted:
+        gone = {_kind(t) for t in admitted} - {_kind(t) for t in left}
+        out = {k: v for k, v in node.items() if not any(k in _TYPE_KEYWORDS[g] for g in gone)}
+        out["type"] = left[0] if len(left) == 1 else left
+    if not const and any(whys):
+        out = {**out, "enum": [v for v, why in zip(values, whys) if why is None]}
+    return out, ""
+
+
+def _excluded(value: Any, node: dict, empty: dict[str, str], unread: frozenset) -> str | None:
+    """Why `value` does not satisfy `node`'s type and bounds, in words; None where it may."""
+    for t, why in empty.items():
+        if _has_type(value, [t]):
+            return f"{value!r} is of type {t}, and {why}"
+    if not _has_type(value, node.get("type")):
+        return f"{value!r} is not of its type {node['type']!r}"
+    return _violation(value, node, unread)
+
+
+def _kind(json_type: str) -> str:
+    return "number" if json_type == "integer" else json_type
+
+
+def _empty_types(node: dict, unread: frozenset) -> dict[str, str]:
+    """The types (of _TYPE_KEYWORDS', and integer) whose values `node`'s own bounds leave none of, each with why."""
+    empty = {}
+    why = _no_count(node, "minLength", "maxLength")
+    if why:
+        empty["string"] = why
+    no_number, no_integer = _no_number(node, unread)
+    if no_number:
+        empty["number"] = empty["integer"] = no_number
+    elif no_integer:
+        empty["integer"] = no_integer
+    why = _no_array(node, unread)
+    if why:
+        empty["array"] = why
+    why = _no_object_counts(node)
+    if why:
+        empty["object"] = why
+    return empty
+
+
+def _finite(*values) -> bool:
+    """Numbers, none infinite nor NaN (a bound that is not one is not read: never narrower for it)."""
+    return all(_numbers(v) and (isinstance(v, int) or math.isfinite(v)) for v in values)
+
+
+def _no_count(node: dict, lo_key: str, hi_key: str, need: int = 0, needed: str = "") -> str | None:
+    """Why no count (a string's characters, an array's items, an object's properties) is within `node`'s lo_key
+    and hi_key and at least `need` (which `needed` names); None where one may be."""
+    lo, hi = node.get(lo_key), node.get(hi_key)
+    if not _finite(hi):
+        return None
+    if _finite(lo) and lo > hi:
+        return f"its {lo_key} {lo!r} is greater than its {hi_key} {hi!r}"
+    if hi < 0:
+        return f"its {hi_key} {hi!r} is negative"
+    if need > hi:
+        return f"its {hi_key} {hi!r} is less than {needed}"
+    if _finite(lo) and math.ceil(lo) > hi:
+        return f"no whole number is within its {lo_key} {lo!r} and its {hi_key} {hi!r}"
+    return None
+
+
+def _no_number(node: dict, unread: frozenset) -> tuple[str | None, str | None]:
+    """Why no number, and why no integer, is within `node`'s minimum/maximum (exclusive or not) and, where it
+    is a whole number, a multiple of its multipleOf (a fractional one is not read: never narrower for it)."""
+    lo = _tightest(node, "minimum", "exclusiveMinimum", max, unread)
+    hi = _tightest(node, "maximum", "exclusiveMaximum", min, unread)
+    if lo is None or hi is None:
+        return None, None
+    (lo_v, lo_open, lo_key), (hi_v, hi_open, hi_key) = lo, hi
+    if lo_v > hi_v:
+        return (f"its {lo_key} {lo_v!r} is greater than its {hi_key} {hi_v!r}",) * 2
+    if lo_v == hi_v and (lo_open or hi_open):
+        return (f"its {lo_key} {lo_v!r} equals its {hi_key} {hi_v!r}",) * 2
+    between = f"within its {lo_key} {lo_v!r} and its {hi_key} {hi_v!r}"
+    step = node.get("multipleOf")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 0:
+        # Its multiples are integers: no number beside them.
+        return (None, None) if _multiple_within(step, lo, hi) else \
+            (f"no multiple of its multipleOf {step!r} is {between}",) * 2
+    return None, None if _multiple_within(1, lo, hi) else f"no integer is {between}"
+
+
+def _tightest(node: dict, inclusive: str, exclusive: str, pick, unread: frozenset) -> tuple | None:
+    """(bound, exclusive?, keyword) of the tighter of `node`'s two bounds on one side (max or min: `pick`), the
+    exclusive one where they are equal; None where neither is a finite number."""
+    found = [(node[k], k == exclusive, k) for k in (inclusive, exclusive)
+             if k not in unread and _finite(node.get(k))]
+    if not found:
+        return None
+    tighter = pick(v for v, _, _ in found)
+    return max((f for f in found if f[0] == tighter), key=lambda f: f[1])
+
+
+def _multiple_within(step: int, lo: tuple, hi: tuple) -> bool:
+    """Whether a multiple of `step` lies within the bounds (exact: fractions, not floats)."""
+    q = Fraction(lo[0]) / step
+    first = (math.floor(q) + 1 if lo[1] else math.ceil(q)) * step
+    return first < hi[0] or first == hi[0] and not hi[1]
+
+
+def _no_array(node: dict, unread: frozenset) -> str | None:
+    """Why no array satisfies `node`'s item counts (minItems, maxItems, and those `contains` needs)."""
+    need, needed = 0, ""
+    least = node.get("minContains", 1) if "minContains" not in unread else 1
+    # (A minContains that is no finite number: the contains rules are not applied.)
+    if "contains" in node and "contains" not in unread and _finite(least):
+        need, needed = math.ceil(least), f"its minContains {least!r}" if "minContains" in node else \
+            "the item its contains needs"
+        if node["contains"] is False and need >= 1:
+            return "its contains accepts no item"
+        most = node.get("maxContains")
+        if "maxContains" not in unread and _finite(most) and most < need:
+            return f"its maxContains {most!r} is less than {needed}"
+    found = _false_items(node)
+    return found[0] if found else _no_count(node, "minItems", "maxItems", need, needed)
+
+
+def _no_object_counts(node: dict) -> str | None:
+    """Why no object satisfies `node`'s property counts and names: minProperties, maxProperties, the names it
+    requires, and those `additionalProperties: false` leaves it."""
+    required = list(dict.fromkeys(n for n in node["required"] if isinstance(n, str))) \
+        if isinstance(node.get("required"), list) else []
+    why = _no_count(node, "minProperties", "maxProperties", len(required),
+                    f"the number of properties it requires ({len(required)})")
+    found = _false_required(node)
+    props = node.get("properties", {})
+    if why or found or node.get("additionalProperties") is not False or not isinstance(props, dict):
+        return why or (found[0] if found else None)
+    patterns = node.get("patternProperties", {})
+    allowed = [n for n, s in props.items() if s is not False]
+    for name in required:
+        if name not in allowed and not _may_match(patterns, name):
+            return f"its required property {name!r} is one its additionalProperties false forbids"
+    least = node.get("minProperties")
+    if not patterns and _finite(least) and least > len(allowed):
+        return f"its minProperties {least!r} is more than the number of properties it allows ({len(allowed)})"
+    return None
+
+
+def _violation(value: Any, node: dict, unread: frozenset) -> str | None:
+    """Which of `node`'s own bounds `value` breaks, in words (the first; the check the output check makes);
+    None where it breaks none of those."""
+    if isinstance(value, (str, list, dict)):
+        count, lo_key, hi_key = {str: ("characters", "minLength", "maxLength"), list: ("items", "minItems", "maxItems"),
+                                 dict: ("properties", "minProperties", "maxProperties")}[type(value)]
+        lo, hi = node.get(lo_key), node.get(hi_key)
+        if _numbers(lo) and len(value) < lo:
+            return f"{value!r} has fewer {count} than its {lo_key} {lo!r}"
+        if _numbers(hi) and len(value) > hi:
+            return f"{value!r} has more {count} than its {hi_key} {hi!r}"
+        required = node.get("required")
+        if isinstance(value, dict) and isinstance(required, list):
+            missing = next((n for n in required if isinstance(n, str) and n not in value), None)
+            if missing is not None:
+                return f"{value!r} lacks its required property {missing!r}"
+        return None
+    if not _numbers(value):
+        return None
+    for key, breaks, says in (("minimum", lambda b: value < b, "below"), ("maximum", lambda b: value > b, "above"),
+                              ("exclusiveMinimum", lambda b: value <= b, "not above"),
+                              ("exclusiveMaximum", lambda b: value >= b, "not below")):
+        bound = node.get(key)
+        if key not in unread and _numbers(bound) and breaks(bound):
+            return f"{value!r} is {says} its {key} {bound!r}"
+    step = node.get("multipleOf")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 0 and value % step:
+        return f"{value!r} is not a multiple of its multipleOf {step!r}"
     return None
 
 
@@ -658,8 +909,18 @@ def _false_properties_unlisted(node: dict) -> dict:
 _OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
                     "maxProperties", "propertyNames", "dependencies", "dependentRequired", "dependentSchemas",
                     "unevaluatedProperties")
-# Every JSON value but an object (integer is within number).
-_NOT_OBJECT = ["array", "boolean", "null", "number", "string"]
+# What an untyped node admits (integer is within number), and every JSON value but an object.
+_ANY_TYPE = ["array", "boolean", "null", "number", "object", "string"]
+_NOT_OBJECT = [t for t in _ANY_TYPE if t != "object"]
+# What only values of one type are checked against (integer's are number's): moot on a node that no longer
+# admits that type.
+_TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("items", "prefixItems", "additionalItems", "contains", "minContains", "maxContains", "minItems",
+              "maxItems", "uniqueItems", "unevaluatedItems"),
+    "object": _OBJECT_KEYWORDS,
+}
 
 
 def _no_object(out: dict, why: str) -> None:
