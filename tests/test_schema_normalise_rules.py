@@ -50,6 +50,11 @@ def case(schema, expected, id):
 NOT_OBJECT = {"type": ["array", "boolean", "null", "number", "string"]}  # what no object satisfies becomes
 
 
+def every_type_but(*types):
+    """What an untyped node that no value of `types` satisfies becomes."""
+    return [t for t in ("array", "boolean", "null", "number", "object", "string") if t not in types]
+
+
 ALL_OF = [
     case({"allOf": [{"type": "string"}, {"minLength": 2}]}, {"type": "string", "minLength": 2}, "disjoint-keywords"),
     case({"title": "t", "allOf": [{"type": "integer"}]}, {"title": "t", "type": "integer"}, "one-part-into-the-node"),
@@ -705,7 +710,8 @@ PATTERN_LENGTHS = [
     case({"pattern": "^[\\]x]+$", "maxLength": 2}, {"pattern": "^[\\]x]{1,2}$"}, "escaped-bracket-in-class"),
     case({"pattern": "^[a-z]{1,3}$", "minLength": 5}, {"pattern": "^[a-z]{1,3}$", "minLength": 5},
          "unsatisfiable-left"),
-    case({"pattern": "^[a-z]+$", "maxLength": 0}, {"pattern": "^[a-z]+$", "maxLength": 0}, "max-under-plus-left"),
+    case({"pattern": "^[a-z]+$", "maxLength": 0}, {"type": every_type_but("string")},
+         "max-under-plus-is-every-other-type"),
     case({"pattern": "^[a-z]+$", "minLength": "2"}, {"pattern": "^[a-z]+$", "minLength": "2"}, "min-not-a-number-left"),
     case({"pattern": "^[a-z]+$", "maxLength": "x"}, {"pattern": "^[a-z]+$", "maxLength": "x"}, "max-not-a-number-left"),
     case({"pattern": "^[a-z]+@x$", "maxLength": 4}, {"pattern": "^[a-z]+@x$", "maxLength": 4}, "not-one-class-left"),
@@ -837,10 +843,6 @@ D4, D7 = "http://json-schema.org/draft-04/schema#", "http://json-schema.org/draf
 NAN = float("nan")  # one object: NaN equals only itself
 
 
-def every_type_but(*types):
-    return [t for t in ("array", "boolean", "null", "number", "object", "string") if t not in types]
-
-
 STRINGS = [
     case({"type": "string", "minLength": 5, "maxLength": 2}, False, "min-length-past-max-length"),
     case({"type": "string", "minLength": 2, "maxLength": 2}, {"type": "string", "minLength": 2, "maxLength": 2},
@@ -863,6 +865,22 @@ STRINGS = [
          "boolean-bound-not-read"),
     case({"type": "strin", "minLength": 5, "maxLength": 2}, {"type": "strin", "minLength": 5, "maxLength": 2},
          "a-type-name-that-is-no-type-left"),
+    # A one-atom pattern's fewest repeats past maxLength (its most are not read: Python's `$` takes a last "\n").
+    case({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 2}, False, "pattern-repeats-past-max-length"),
+    case({"type": "string", "pattern": "^[a-z]+$", "maxLength": 0}, False, "pattern-plus-past-max-length-0"),
+    case({"type": ["string", "null"], "pattern": "[a-z]{3,}", "maxLength": 2}, {"type": "null"},
+         "unanchored-pattern-repeats-past-max-length"),
+    case({"type": "string", "pattern": "^[a-z]{2}$", "maxLength": 2}, {"type": "string", "pattern": "^[a-z]{2,2}$"},
+         "pattern-repeats-at-max-length-kept"),
+    case({"type": "string", "pattern": "^[a-z]*$", "maxLength": 0}, {"type": "string", "pattern": "^[a-z]{0,0}$"},
+         "pattern-star-at-max-length-0-kept"),
+    case({"type": "string", "pattern": "^[a-z]{2}$", "minLength": 3}, {"type": "string", "pattern": "^[a-z]{2}$",
+                                                                       "minLength": 3},
+         "pattern-most-repeats-not-read"),
+    case({"type": "string", "pattern": "^[a-z]{5}$|x", "maxLength": 2},
+         {"type": "string", "pattern": "^[a-z]{5}$|x", "maxLength": 2}, "another-pattern-not-read"),
+    case({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": "2"},
+         {"type": "string", "pattern": "^[a-z]{5}$", "maxLength": "2"}, "pattern-beside-max-length-not-a-number-left"),
     case({"type": [], "minLength": 5, "maxLength": 2}, {"type": [], "minLength": 5, "maxLength": 2},
          "no-type-names-left"),
 ]
@@ -1105,6 +1123,8 @@ BOUNDS_REFUSED = [
     why({"type": "string", "minLength": 5, "maxLength": 2}, "its minLength 5 is greater than its maxLength 2",
         "min-past-max"),
     why({"type": "string", "maxLength": -1}, "its maxLength -1 is negative", "negative-max"),
+    why({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 2},
+        "its pattern '^[a-z]{5}$' matches no string of fewer than 5 characters, and its maxLength is 2", "pattern"),
     why({"type": "string", "minLength": 2.5, "maxLength": 2.7},
         "no whole number is within its minLength 2.5 and its maxLength 2.7", "no-whole-count"),
     why({"type": "object", "required": ["a", "b", "c"], "maxProperties": 2},

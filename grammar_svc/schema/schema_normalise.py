@@ -29,7 +29,8 @@ meaning:
   reads with it; none left, the node is `false`. Those bounds:
   `minLength`/`maxLength`, `minItems`/`maxItems`, `minProperties`/
   `maxProperties` with no count between (or past the names `required` lists,
-  or the names `additionalProperties: false` leaves), a `minimum`/
+  or the names `additionalProperties: false` leaves), a `pattern` that is one
+  atom repeated more times than `maxLength` allows, a `minimum`/
   `exclusiveMinimum` past the `maximum`/`exclusiveMaximum` (for integer: no
   integer between; a whole `multipleOf`: no multiple between), a `contains`
   that accepts no item or more items than `maxItems`/`maxContains` allow, a
@@ -724,7 +725,7 @@ def _kind(json_type: str) -> str:
 def _empty_types(node: dict, unread: frozenset) -> dict[str, str]:
     """The types (of _TYPE_KEYWORDS', and integer) whose values `node`'s own bounds leave none of, each with why."""
     empty = {}
-    why = _no_count(node, "minLength", "maxLength")
+    why = _no_count(node, "minLength", "maxLength") or _no_pattern_length(node)
     if why:
         empty["string"] = why
     no_number, no_integer = _no_number(node, unread)
@@ -761,6 +762,18 @@ def _no_count(node: dict, lo_key: str, hi_key: str, need: int = 0, needed: str =
     if _finite(lo) and math.ceil(lo) > hi:
         return f"no whole number is within its {lo_key} {lo!r} and its {hi_key} {hi!r}"
     return None
+
+
+def _no_pattern_length(node: dict) -> str | None:
+    """Why no string within `node`'s maxLength matches its pattern, one atom repeated at least n times (anchored
+    or not: a match has n characters at least; the most it allows is not read, as Python's `$` also takes a
+    string's last newline)."""
+    pattern, most = node.get("pattern"), node.get("maxLength")
+    m = REPEATED_ATOM.match(pattern) if isinstance(pattern, str) else None
+    if m is None or not _finite(most) or _least_repeats(m) <= most:
+        return None
+    return f"its pattern {pattern!r} matches no string of fewer than {_least_repeats(m)} characters, and its " \
+        f"maxLength is {most!r}"
 
 
 def _no_number(node: dict, unread: frozenset) -> tuple[str | None, str | None]:
@@ -1055,8 +1068,7 @@ def _lengths_into_pattern(node: dict) -> dict:
     lo, hi = node.get("minLength", 0), node.get("maxLength")
     if m is None or not _numbers(lo) or (hi is not None and not _numbers(hi)):
         return node
-    q = m["q"]
-    q_lo = 1 if q == "+" else 0 if q == "*" else int(m["lo"])
+    q, q_lo = m["q"], _least_repeats(m)
     q_hi = None if q in "+*" else (int(m["lo"]) if m["comma"] is None else (int(m["hi"]) if m["hi"] else None))
     lo = max(int(lo), q_lo)
     hi = q_hi if hi is None else int(hi) if q_hi is None else min(int(hi), q_hi)
@@ -1065,6 +1077,11 @@ def _lengths_into_pattern(node: dict) -> dict:
     out = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
     out["pattern"] = f"^{m['atom']}{{{lo},{'' if hi is None else hi}}}$"
     return out
+
+
+def _least_repeats(m: re.Match) -> int:
+    """The fewest times a REPEATED_ATOM match's atom repeats: the fewest characters a string it matches has."""
+    return 1 if m["q"] == "+" else 0 if m["q"] == "*" else int(m["lo"])
 
 
 def _pointer(root: dict, ref: str) -> Any:
