@@ -392,6 +392,36 @@ def inflight_waiters(srv, spec: pb.GrammarSpec, fingerprint: str) -> int:
     return flight.waiters if flight is not None else 0
 
 
+def test_a_request_auto_answered_does_not_compile_again_when_the_compile_it_joined_stops(auto_server, tokenizer_desc):
+    """A request naming xgrammar starts a compile with a 3 s deadline; an auto request for the same schema (20 s)
+    joins it and at its budget is answered from llguidance. When the shared compile stops at 3 s, the auto
+    request, answered already, does not compile again, as a joiner with time left would: nobody waits for that
+    compile, which would hold a worker for the rest of the 20 s where no request could take it back."""
+    fingerprint = tokenizer_desc.fingerprint
+    worker_free(auto_server)
+    spec = json_schema({"title": salt(), **TOO_SLOW_SCHEMA})
+
+    async def go():
+        client = GrammarClient(auto_server.target)
+        try:
+            named = asyncio.ensure_future(compile_on(client, fingerprint, spec, XGRAMMAR, 3.0))
+            while inflight_waiters(auto_server, spec, fingerprint) != 1:
+                await asyncio.sleep(0.01)
+            auto = await client.compile(fingerprint, spec, timeout_seconds=20.0, rpc_timeout=120)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await named
+            return auto, info.value
+        finally:
+            await client.close()
+
+    auto, stopped = run(go())
+    assert (auto.backend, auto.backend_reason) == (LLGUIDANCE, "xgrammar_slow")
+    assert stopped.code() == grpc.StatusCode.DEADLINE_EXCEEDED, stopped.details()
+    # A compile again would be in flight before the stopped one's answer reached this client.
+    assert inflight_waiters(auto_server, spec, fingerprint) == 0
+    worker_free(auto_server)
+
+
 def test_a_compile_two_outlived_requests_share_gives_its_worker_up(auto_server, tokenizer_desc):
     """Two requests for one schema share one xgrammar compile and both outlive their budget: the compile is
     stopped for the next request's worker (it follows the shared compile, not one request's share of it, which

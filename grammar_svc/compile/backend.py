@@ -151,6 +151,8 @@ class GrammarBackend:
         self.timeout_cache_seconds = timeout_cache_seconds
         self.metrics = metrics
         self._inflight: dict[str, _Flight] = {}
+        # grammar id -> the load of a compiled grammar its request's deadline passed during (lands in the cache).
+        self._loads: dict[str, asyncio.Future] = {}
         # auto's xgrammar compiles (the shared flights) that went on after a request's budget, oldest first: each
         # finishes into the cache unless a request needs its worker first and nobody else waits for it.
         self._outlived: collections.OrderedDict[str, _Flight] = collections.OrderedDict()
@@ -461,7 +463,8 @@ class GrammarBackend:
             raise
         if caller is not None:
             self.callers.enter(caller, grammar_id)
-        deadline = time.monotonic() + timeout
+        asked, deadline = timeout, time.monotonic() + timeout
+        joined = False
         try:
             while True:
                 flight = self._inflight.get(grammar_id)
@@ -470,20 +473,56 @@ class GrammarBackend:
                                      tokenizer.fingerprint, timeout)
                     self._inflight[grammar_id] = flight
                     flight.task.add_done_callback(lambda f, flight=flight: self._compile_done(grammar_id, flight))
+                    mine = True
+                else:
+                    mine, joined = False, True
                 try:
                     entry = await self._wait_for(flight, grammar_id)
-                except CompileTimeoutError:
-                    # A compile joined under a shorter deadline than this request's ran out of its own: this
-                    # request still has more time than that compile had, so it compiles again in it rather than
-                    # hear of a deadline it did not ask for (a remembered timeout is held against what is left).
-                    timeout = deadline - time.monotonic()
-                    if timeout <= flight.timeout:
+                except CompileTimeoutError as e:
+                    if not joined:
                         raise
-                    continue
+                    # A compile joined under a shorter deadline than this request's ran out of its own: with more
+                    # time left than that compile had, this request compiles again in it rather than hear of a
+                    # deadline it did not ask for.
+                    landed = None if mine else await self._landing(grammar_id, deadline)
+                    if landed is not None:
+                        return CompileResult(landed, True)
+                    timeout = deadline - time.monotonic()
+                    if not mine and self._compile_again(flight, e, timeout):
+                        continue
+                    if isinstance(e, WorkersBusyError):
+                        raise
+                    raise CompileTimeoutError(
+                        f"{kind} compilation did not finish within its {asked:g} s deadline (the compile was "
+                        "shared with another request for the same grammar); simplify the constraint or raise "
+                        "timeout_seconds", ran_seconds=e.ran_seconds) from None
                 return CompileResult(entry, False)
         finally:
             if caller is not None:
                 self.callers.leave(caller, grammar_id)
+
+    def _compile_again(self, flight: _Flight, stopped: CompileTimeoutError, left: float) -> bool:
+        """Whether a request that joined `flight`, which stopped at its own deadline, compiles again in the
+        `left` seconds it still has: not one auto has answered already (it waited only to land the grammar in
+        the cache), and only with more time than the grammar had (as a remembered timeout is held)."""
+        if asyncio.current_task() in flight.outlived:
+            return False
+        tried = flight.timeout if stopped.ran_seconds is None else min(flight.timeout, stopped.ran_seconds)
+        return left > tried
+
+    async def _landing(self, grammar_id: str, deadline: float) -> CompiledEntry | None:
+        """The grammar, where a compile that stopped while loading it lands it in the cache before `deadline`
+        (not compiled again), else None."""
+        load = self._loads.get(grammar_id)
+        if load is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(load), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass  # not by this request's deadline: compiling again cannot finish sooner either
+            except Exception:  # noqa: BLE001 - xgrammar's failure to load it (_land logs nothing): compiled again
+                pass
+        cached = self.cache.get(grammar_id)
+        return cached if isinstance(cached, CompiledEntry) else None
 
     async def _wait_for(self, flight: _Flight, grammar_id: str) -> CompiledEntry:
         """The flight's grammar, waited for as one of its callers."""
@@ -553,6 +592,10 @@ class GrammarBackend:
                 asyncio.shield(load), max(0.0, deadline + out.tokenizer_seconds - time.monotonic()))
         except asyncio.TimeoutError:
             load.add_done_callback(lambda f: self._land(f, grammar_id, tokenizer, spec, out))
+            # Requests that joined this compile with later deadlines wait for the load, not compile again.
+            self._loads[grammar_id] = load
+            load.add_done_callback(lambda f: self._loads.pop(grammar_id, None) if self._loads.get(grammar_id) is f
+                                   else None)
             self.metrics.compile_failures.labels(kind, "timeout").inc()
             raise CompileTimeoutError(
                 f"{kind} compilation exceeded its {timeout:g} s deadline loading the compiled grammar into the "
