@@ -710,6 +710,8 @@ PATTERN_LENGTHS = [
     case({"pattern": "^[\\]x]+$", "maxLength": 2}, {"pattern": "^[\\]x]{1,2}$"}, "escaped-bracket-in-class"),
     case({"pattern": "^[a-z]{1,3}$", "minLength": 5}, {"pattern": "^[a-z]{1,3}$", "minLength": 5},
          "unsatisfiable-left"),
+    case({"pattern": "^[a-z]+$", "minLength": 2.5, "maxLength": 4.5}, {"pattern": "^[a-z]{3,4}$"},
+         "fractional-lengths-inside"),
     case({"pattern": "^[a-z]+$", "maxLength": 0}, {"type": every_type_but("string")},
          "max-under-plus-is-every-other-type"),
     case({"pattern": "^[a-z]+$", "minLength": "2"}, {"pattern": "^[a-z]+$", "minLength": "2"}, "min-not-a-number-left"),

@@ -1070,8 +1070,9 @@ def _lengths_into_pattern(node: dict) -> dict:
         return node
     q, q_lo = m["q"], _least_repeats(m)
     q_hi = None if q in "+*" else (int(m["lo"]) if m["comma"] is None else (int(m["hi"]) if m["hi"] else None))
-    lo = max(int(lo), q_lo)
-    hi = q_hi if hi is None else int(hi) if q_hi is None else min(int(hi), q_hi)
+    # A length is whole: a fractional bound is the next whole one inside it (int() took minLength 2.5 as 2).
+    lo = max(math.ceil(lo), q_lo)
+    hi = q_hi if hi is None else math.floor(hi) if q_hi is None else min(math.floor(hi), q_hi)
     if hi is not None and hi < lo:
         return node  # unsatisfiable: left to xgrammar as written
     out = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
