@@ -867,6 +867,8 @@ STRINGS = [
          "boolean-bound-not-read"),
     case({"type": "strin", "minLength": 5, "maxLength": 2}, {"type": "strin", "minLength": 5, "maxLength": 2},
          "a-type-name-that-is-no-type-left"),
+    case({"type": ["string", "integer", *every_type_but("string")], "minLength": 5, "maxLength": 2},
+         {"type": ["integer", *every_type_but("string")]}, "every-type-name-but-string-kept"),
     # A one-atom pattern's fewest repeats past maxLength (its most are not read: Python's `$` takes a last "\n").
     case({"type": "string", "pattern": "^[a-z]{5}$", "maxLength": 2}, False, "pattern-repeats-past-max-length"),
     case({"type": "string", "pattern": "^[a-z]+$", "maxLength": 0}, False, "pattern-plus-past-max-length-0"),
@@ -917,6 +919,9 @@ NUMBERS = [
     case({"type": "integer", "multipleOf": 5, "minimum": 0, "exclusiveMaximum": 5},
          {"type": "integer", "multipleOf": 5, "minimum": 0, "exclusiveMaximum": 5}, "a-multiple-at-the-minimum-kept"),
     case({"type": "integer", "multipleOf": 5, "minimum": -4, "maximum": -1}, False, "no-negative-multiple-between"),
+    case({"type": "number", "multipleOf": 1, "minimum": 1.2, "maximum": 1.8}, False, "a-multiple-of-1-is-an-integer"),
+    case({"type": "integer", "minimum": 3, "maximum": 3}, {"type": "integer", "minimum": 3, "maximum": 3},
+         "one-odd-integer-kept"),
     case({"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4}, False, "a-number-multiple-is-an-integer"),
     case({"type": "number", "multipleOf": 0.5, "minimum": 1.1, "maximum": 1.4},
          {"type": "number", "multipleOf": 0.5, "minimum": 1.1, "maximum": 1.4}, "a-fractional-multiple-of-not-read"),
@@ -985,6 +990,11 @@ ARRAYS = [
          {"type": "array", "contains": {}, "minContains": "2", "maxItems": 0}, "min-contains-not-a-number-not-read"),
     case({"type": "array", "minContains": 3, "maxItems": 2}, {"type": "array", "minContains": 3, "maxItems": 2},
          "min-contains-without-contains-kept"),
+    case({"$schema": D7, "type": "array", "contains": {}, "minContains": 2, "maxItems": 1},
+         {"$schema": D7, "type": "array", "contains": {}, "minContains": 2, "maxItems": 1},
+         "draft-7-min-contains-not-read-beside-max-items"),
+    case({"$schema": D7, "type": "array", "contains": {}, "maxContains": 0},
+         {"$schema": D7, "type": "array", "contains": {}, "maxContains": 0}, "draft-7-max-contains-not-read"),
 ]
 
 OBJECTS = [
@@ -1046,6 +1056,8 @@ CONST_ENUM = [
     case({"enum": [5, 6], "multipleOf": 3}, {"enum": [6], "multipleOf": 3}, "enum-values-not-multiples-dropped"),
     case({"enum": [5.5, 6.0], "multipleOf": 3}, {"enum": [6.0], "multipleOf": 3}, "a-float-multiple"),
     case({"enum": [5.5], "multipleOf": 0.5}, {"enum": [5.5], "multipleOf": 0.5}, "fractional-multiple-of-not-read"),
+    case({"enum": [5], "multipleOf": 0}, {"enum": [5], "multipleOf": 0}, "multiple-of-0-not-read"),
+    case({"enum": [1.5, 2], "multipleOf": 1}, {"enum": [2], "multipleOf": 1}, "a-fraction-is-no-multiple-of-1"),
     case({"enum": [1, 2, 3], "exclusiveMinimum": 1, "exclusiveMaximum": 3},
          {"enum": [2], "exclusiveMinimum": 1, "exclusiveMaximum": 3}, "enum-values-at-exclusive-bounds-dropped"),
     case({"enum": [1, 2, 3], "minimum": 2}, {"enum": [2, 3], "minimum": 2}, "enum-values-below-the-minimum-dropped"),
@@ -1149,6 +1161,16 @@ BOUNDS_REFUSED = [
         "its required property 'b' is one its additionalProperties false forbids", "required-forbidden"),
     why({"type": "object", "properties": {"a": {}}, "minProperties": 2, "additionalProperties": False},
         "its minProperties 2 is more than the number of properties it allows (1)", "more-than-allowed"),
+    # On a closed object too, the count's reason, and a false property's, come first.
+    why({"type": "object", "required": ["a", "b"], "maxProperties": 1, "additionalProperties": False},
+        "its maxProperties 1 is less than the number of properties it requires (2)", "closed-required-past-max"),
+    why({"type": ["object", "null"], "properties": {"a": False}, "required": ["a"], "additionalProperties": False,
+         "enum": [{"a": 1}]},
+        "none of its enum values is of its type and within its bounds ({'a': 1} is of type object, and its required "
+        "property 'a' accepts no value)", "closed-required-false"),
+    why({"enum": [{"a": 1, "b": 2}], "maxProperties": 1},
+        "none of its enum values is of its type and within its bounds ({'a': 1, 'b': 2} has more properties than its "
+        "maxProperties 1)", "enum-object-too-many-properties"),
     # Each type's reason, in the order of its type.
     why({"type": ["object", "string"], "properties": {"a": False}, "required": ["a"], "minLength": 5, "maxLength": 2},
         "its required property 'a' accepts no value and its minLength 5 is greater than its maxLength 2",

@@ -317,7 +317,7 @@ class _Normaliser:
                     return self._false(f"every branch of its {key} accepts no value",
                                        self.notes.get(self._here(key, "0"), ""))
                 out = {**out, key: [b for b in out[key] if b is not False]}
-        found = _unsatisfiable(out, self.unread)
+        found = _unsatisfiable(out)
         if found is not None:
             why, part = found
             return self._false(why, self.notes.get(self._here(*part), "") if part else "")
@@ -632,11 +632,11 @@ def _not_type(node: dict) -> dict:
     return out
 
 
-def _unsatisfiable(node: dict, unread: frozenset) -> tuple[str, tuple[str, ...]] | None:
+def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
     """Why no value satisfies `node` (its keywords final), with the path of the part that makes it so (empty: the
     node's own keywords); None where some value may. Only what is certain: an object's required property or an
     array's items matter only where the node's type is that type alone (other types ignore those keywords; where
-    it admits others, _within_bounds drops the type)."""
+    it admits others, _within_bounds drops the type, and it finds a const not of the node's type)."""
     types = _types(node.get("type"))
     known = bool(types) and set(types) <= _TYPE_NAMES
     enum = node.get("enum")
@@ -644,8 +644,6 @@ def _unsatisfiable(node: dict, unread: frozenset) -> tuple[str, tuple[str, ...]]
         return "its enum lists no value", ()
     if known and isinstance(enum, list) and not any(_has_type(v, types) for v in enum):
         return f"none of its enum values is of its type {node['type']!r}", ()
-    if known and "const" in node and "const" not in unread and not _has_type(node["const"], types):
-        return f"its const {node['const']!r} is not of its type {node['type']!r}", ()
     if types == ["object"]:
         return _false_required(node)
     if types == ["array"]:
@@ -805,7 +803,7 @@ def _tightest(node: dict, inclusive: str, exclusive: str, pick, unread: frozense
     if not found:
         return None
     tighter = pick(v for v, _, _ in found)
-    return max((f for f in found if f[0] == tighter), key=lambda f: f[1])
+    return max(f for f in found if f[0] == tighter)  # of two equal bounds, the exclusive one (True > False)
 
 
 def _multiple_within(step: int, lo: tuple, hi: tuple) -> bool:
