@@ -8,10 +8,9 @@ Step stream: the stream and the inference service's own stream stay up while
 new connections get the new certificate; so are the inference service's own
 certificate and client CA (new handshakes get the new ones, without a
 restart), and the inference service's and the gateway's client
-certificates, which new calls then present. `structd generate` and the gateway
-speak TLS with their flags (`structd up` with its flags: tests/test_up_supervision.py,
-whose one `structd up` runs with mutual TLS); the plaintext health port
-answers health only.
+certificates, which new calls then present. `structd generate`, the gateway and
+`structd up` speak TLS with their flags; the plaintext health port answers
+health only.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -38,7 +39,7 @@ from shared.tls import ClientTls, ServerTls, sync_channel
 from structd import generate
 from structd.bench.harness import ServiceThread, free_port
 from tests.conftest import REPO, InferenceServerThread, run, start_grammar_server, wait_until
-from tests.test_cli import PYTHON, clean_env
+from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, running
 from tests.tls_material import Authority, Issued
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -404,6 +405,45 @@ def test_gateway_over_https_in_front_of_a_tls_inference_service(pki, tls_inferen
     finally:
         good.stop()
         anonymous.stop()
+
+
+def test_structd_up_with_mutual_tls_on_both_hops(pki):
+    """`structd up --tls-*`: both gRPC services take only clients with a certificate from the CA, the gateway
+    serves HTTPS and reaches the inference service with the certificate, and `structd generate` with its TLS
+    flags gets an answer through both hops."""
+    port, mport = free_ports(), free_ports()
+    iport, imetrics, gport = free_ports(), free_ports(), free_ports()
+    tls_flags = ["--tls-cert-file", str(pki.server.cert_file), "--tls-key-file", str(pki.server.key_file)]
+    proc = Proc([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+                 "--grammar-metrics-port", str(mport), "--port", str(iport), "--metrics-port", str(imetrics),
+                 "--gateway-port", str(gport), "--log-level", "WARNING", *tls_flags,
+                 "--tls-ca-file", str(pki.ca.cert_file)])
+    services: set[int] = set()
+    try:
+        proc.wait_for_line("all services SERVING")
+        services = children_of(proc.popen.pid)
+        assert f"gateway (OpenAI API): https://127.0.0.1:{gport}/v1" in proc.output
+        assert f"--tls-ca-file {pki.ca.cert_file}" in proc.output  # the "try:" line says how to dial it
+        for target, service in ((f"127.0.0.1:{port}", GRAMMAR_SERVICE), (f"127.0.0.1:{iport}", INFERENCE_SERVICE)):
+            assert health(target, pki.client_tls(pki.server), service) == SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                health(target, pki.client_tls(None), service)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", f"127.0.0.1:{iport}",
+                              "--tls-ca-file", str(pki.ca.cert_file), *tls_flags,
+                              "--json", "--choice", "yes", "--choice", "no", "Well?"],
+                             cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout)["text"] in ("yes", "no")
+        verify = ssl.create_default_context(cafile=str(pki.ca.cert_file))
+        assert httpx2.get(f"https://127.0.0.1:{gport}/health", verify=verify, timeout=30).status_code == 200
+        proc.popen.send_signal(signal.SIGINT)
+        assert proc.wait() == 0, proc.output
+    finally:
+        proc.kill()
+        for pid in services:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("argv, message", [

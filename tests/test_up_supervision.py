@@ -2,15 +2,11 @@
 
 The back-off policy on its own (a child that fails at start-up keeps backing
 off, one that ran a while starts again from the initial delay), then one real
-`structd up --grammar-replicas 2` (what `make run` starts), here with mutual
-TLS on both hops (its --tls-* flags), started once for the module: every address it
-prints serves, the gRPC services only to a client with a certificate from the
-CA, the gateway over HTTPS, `structd generate` with its TLS flags gets an
-answer through both hops; a grammar replica SIGKILLed mid-generation is
-restarted on its port (with its TLS flags) and rejoins while the request goes
-on elsewhere; the inference service SIGKILLed is restarted; SIGINT still stops
-everything and exits 0. One `structd up` serves both the supervision and the
-TLS checks: a second start, plaintext, would test the same supervisor again.
+`structd up --grammar-replicas 2` (what `make run` starts), started once for the
+module: every address it prints serves; a grammar replica SIGKILLed
+mid-generation is restarted on its port and rejoins while the request goes on
+elsewhere; the inference service SIGKILLed is restarted; SIGINT still stops
+everything and exits 0.
 """
 
 from __future__ import annotations
@@ -20,23 +16,18 @@ import json
 import os
 import re
 import signal
-import ssl
 import subprocess
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
-import grpc
 import pytest
 
 from shared.inference_client import InferenceClient
-from shared.tls import ClientTls
 from structd.up import Backoff, Child, Supervisor, describe_exit
 from tests.conftest import REPO
-from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, running, serving
-from tests.test_tls import GRAMMAR_SERVICE, INFERENCE_SERVICE, health
-from tests.tls_material import Authority
+from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, health, running, serving
 
 RESTART_TIMEOUT = 120.0  # bounds a broken run: a grammar replica starts in ~5 s, the inference service in ~10 s
 GENERATE_TIMEOUT = 120.0
@@ -100,7 +91,6 @@ class Up:
     port: int
     metrics_port: int
     gateway_port: int
-    tls: ClientTls  # the CA and the certificate (up's own) a client presents on both hops
     pids: dict[str, int] = field(default_factory=dict)  # "grammar replica 1" / "inference service" / "gateway" -> pid
 
     @property
@@ -109,21 +99,6 @@ class Up:
 
     def grammar_target(self, i: int) -> str:
         return f"127.0.0.1:{self.grammar_port + i}"
-
-    @property
-    def tls_flags(self) -> list[str]:
-        return ["--tls-cert-file", str(self.tls.cert_file), "--tls-key-file", str(self.tls.key_file)]
-
-    def client(self) -> InferenceClient:
-        return InferenceClient(self.target, tls_ca_file=self.tls.ca_file, tls_cert_file=self.tls.cert_file,
-                               tls_key_file=self.tls.key_file)
-
-    def gateway_get(self, path: str) -> int:
-        """The gateway's HTTPS answer's status (its certificate checked against the CA)."""
-        context = ssl.create_default_context(cafile=str(self.tls.ca_file))
-        with urllib.request.urlopen(f"https://127.0.0.1:{self.gateway_port}{path}", timeout=30,
-                                    context=context) as r:
-            return r.status
 
     def grammar_metric(self, i: int, prefix: str) -> float:
         """Sum of the samples of replica i's metrics whose name starts with prefix."""
@@ -144,22 +119,17 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory):
-    ca = Authority(tmp_path_factory.mktemp("pki"), "main")
-    server = ca.issue("server")  # served by both gRPC services and the gateway, presented by up's clients too
-    tls = ClientTls(ca.cert_file, server.cert_file, server.key_file)
+def up():
     port, mport = free_ports(2), free_ports(2)
     iport, imetrics, gport = free_ports(), free_ports(), free_ports()
     proc = Proc([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
                  "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
-                 "--metrics-port", str(imetrics), "--gateway-port", str(gport), "--log-level", "WARNING",
-                 "--tls-cert-file", str(server.cert_file), "--tls-key-file", str(server.key_file),
-                 "--tls-ca-file", str(ca.cert_file)])
+                 "--metrics-port", str(imetrics), "--gateway-port", str(gport), "--log-level", "WARNING"])
     services: set[int] = set()
     try:
         proc.wait_for_line("all services SERVING")
         services = children_of(proc.popen.pid)
-        u = Up(proc, port, mport, iport, imetrics, gport, tls)
+        u = Up(proc, port, mport, iport, imetrics, gport)
         for line in proc.lines:
             m = re.match(r"(grammar replica \d|inference service|gateway)\b.*  pid (\d+)$", line)
             if m:
@@ -178,9 +148,9 @@ def up(tmp_path_factory):
                     pass  # the child's own exit won the race
 
 
-def _long_generation(up: Up, result: dict, first_chunks: threading.Event) -> None:
+def _long_generation(target: str, result: dict, first_chunks: threading.Event) -> None:
     try:
-        with up.client() as client:
+        with InferenceClient(target) as client:
             chunks = 0
             for chunk in client.generate("Spell it:", regex=LONG_REGEX, max_tokens=LONG_TOKENS, timeout=GENERATE_TIMEOUT):
                 chunks += 1
@@ -197,30 +167,23 @@ def _long_generation(up: Up, result: dict, first_chunks: threading.Event) -> Non
 
 def test_up_serves_both_tiers_where_it_says(up):
     """Two grammar replicas, the inference service and the gateway, at the addresses it printed, reachable with
-    `structd generate` and over HTTPS (before any test below kills one of them). Mutual TLS on both hops: both
-    gRPC services take only clients with a certificate from the CA, the gateway serves HTTPS and reaches the
-    inference service with the certificate, and `structd generate` with its TLS flags gets an answer through both
-    hops."""
+    `structd generate` and over HTTP (before any test below kills one of them)."""
     out = up.proc.output
     for i in range(2):
         assert (f"grammar replica {i + 1}: grpc {up.grammar_target(i)}  "
                 f"metrics http://127.0.0.1:{up.grammar_metrics_port + i}/metrics") in out, out
     assert f"inference service: grpc {up.target}  metrics http://127.0.0.1:{up.metrics_port}/metrics" in out, out
-    assert (f"gateway (OpenAI API): https://127.0.0.1:{up.gateway_port}/v1  "
-            f"metrics https://127.0.0.1:{up.gateway_port}/metrics") in out, out
-    assert f"--tls-ca-file {up.tls.ca_file}" in out  # the "try:" line says how to dial it
-    services = [(up.grammar_target(i), GRAMMAR_SERVICE) for i in range(2)]
-    for target, service in [*services, (up.target, INFERENCE_SERVICE)]:
-        assert health(target, up.tls, service) == serving()
-        with pytest.raises(grpc.RpcError) as refused:
-            health(target, ClientTls(ca_file=up.tls.ca_file), service)  # no client certificate
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-    for mp in (up.grammar_metrics_port, up.grammar_metrics_port + 1, up.metrics_port):
+    assert (f"gateway (OpenAI API): http://127.0.0.1:{up.gateway_port}/v1  "
+            f"metrics http://127.0.0.1:{up.gateway_port}/metrics") in out, out
+    for i in range(2):
+        assert health(up.grammar_target(i), "grammar.v1.GrammarService") == serving()
+    assert health(up.target, "inference.v1.InferenceService") == serving()
+    for mp in (up.grammar_metrics_port, up.grammar_metrics_port + 1, up.metrics_port, up.gateway_port):
         with urllib.request.urlopen(f"http://127.0.0.1:{mp}/metrics", timeout=30) as r:
             assert r.status == 200
-    assert up.gateway_get("/metrics") == up.gateway_get("/health") == 200
-    gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", up.target,
-                          "--tls-ca-file", str(up.tls.ca_file), *up.tls_flags, "--json",
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.gateway_port}/health", timeout=30) as r:
+        assert r.status == 200
+    gen = subprocess.run([PYTHON, "-m", "structd", "generate", "--target", up.target, "--json",
                           "--choice", "yes", "--choice", "no", "Well?"],
                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=GENERATE_TIMEOUT)
     assert gen.returncode == 0, gen.stderr
@@ -232,7 +195,7 @@ def test_killed_grammar_replica_is_restarted_on_its_port_and_rejoins(up):
     # A long constrained generation; the replica that holds its session is the one killed.
     result: dict = {}
     first_chunks = threading.Event()
-    gen = threading.Thread(target=_long_generation, args=(up, result, first_chunks), daemon=True)
+    gen = threading.Thread(target=_long_generation, args=(up.target, result, first_chunks), daemon=True)
     gen.start()
     assert first_chunks.wait(GENERATE_TIMEOUT) and "error" not in result, result
     sessions = [up.grammar_metric(i, "grammar_svc_active_sessions") for i in range(2)]
@@ -243,7 +206,7 @@ def test_killed_grammar_replica_is_restarted_on_its_port_and_rejoins(up):
     old = up.pids[name]
     os.kill(old, signal.SIGKILL)
     up.wait_restart(name, old)
-    assert health(up.grammar_target(i), up.tls, GRAMMAR_SERVICE) == serving()
+    assert health(up.grammar_target(i), "grammar.v1.GrammarService") == serving()
 
     # The in-flight request was replayed on replica 2 and ran to its end.
     gen.join(GENERATE_TIMEOUT)
@@ -251,7 +214,7 @@ def test_killed_grammar_replica_is_restarted_on_its_port_and_rejoins(up):
 
     # Later constrained requests are served; within a few maintenance rounds the tier has handed the restarted
     # replica its tokenizer again and compiles there (an idle tier picked it for the first request, and does again).
-    with up.client() as client:
+    with InferenceClient(up.target) as client:
         deadline = time.monotonic() + 30.0
         n = 0
         while up.grammar_metric(i, "grammar_svc_cache_") == 0:
@@ -269,7 +232,7 @@ def test_killed_inference_service_is_restarted(up):
     old = up.pids["inference service"]
     os.kill(old, signal.SIGKILL)
     up.wait_restart("inference service", old)
-    with up.client() as client:
+    with InferenceClient(up.target) as client:
         done = client.complete("Well?", choice=["yes", "no"], timeout=GENERATE_TIMEOUT)
     assert done.text in ("yes", "no") and done.finish_reason == "stop"
     assert up.proc.popen.poll() is None
@@ -279,7 +242,8 @@ def test_killed_gateway_is_restarted(up):
     old = up.pids["gateway"]
     os.kill(old, signal.SIGKILL)
     up.wait_restart("gateway", old)
-    assert up.gateway_get("/health") == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.gateway_port}/health", timeout=30) as r:
+        assert r.status == 200
     assert up.proc.popen.poll() is None
 
 
