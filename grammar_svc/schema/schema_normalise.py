@@ -42,7 +42,9 @@ meaning:
   false`, an enum's values past its `maximum`). Only keywords the schema's
   draft has are read (no `const`, `contains` or numeric `exclusiveMinimum` in
   draft 4, no `minContains` before 2019-09), as jsonschema reads them; a
-  bound that is no finite number, and a fractional `multipleOf`, are not;
+  bound that is no finite number, and a fractional `multipleOf`, are not.
+  Those a draft lacks that a backend would enforce (`const`, `contains`,
+  `minContains`/`maxContains`) are dropped, before a merge reads them;
 - `not` with only a `type` becomes the remaining types (xgrammar ignores
   `not`; `not: {"type": "integer"}` also leaves out non-integral numbers,
   which no JSON Schema type names);
@@ -242,6 +244,10 @@ class _Normaliser:
         draft = root.get("$schema")
         self.unread = frozenset(k for d, keys in _UNREAD.items() if isinstance(draft, str) and d in draft
                                 for k in keys)
+        # Dropped, not only left unread: a merge would read them (a const beside the other part's enum), and
+        # both backends enforce a const whatever the draft. Draft 4's exclusive flags stay (they qualify its
+        # minimum/maximum).
+        self.dropped = self.unread - {"exclusiveMinimum", "exclusiveMaximum"}
         self.budget = budget
         self._produced = 0
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
@@ -284,7 +290,7 @@ class _Normaliser:
         if not isinstance(schema, dict):
             return schema
         self._spend()
-        return self._shape({k: self._children(k, v) for k, v in schema.items()})
+        return self._shape({k: self._children(k, v) for k, v in schema.items() if k not in self.dropped})
 
     def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
