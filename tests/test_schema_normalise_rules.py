@@ -39,6 +39,7 @@ STRING_MIN_1 = {"allOf": [{"type": "string"}, {"minLength": 1}]}  # a subschema 
 MERGED = {"type": "string", "minLength": 1}
 ALL_BUT_STRING = ["object", "array", "number", "boolean", "null"]
 NO_NUMBERS = ["object", "array", "string", "boolean", "null"]
+D4, D7 = "http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#"
 
 
 def case(schema, expected, id):
@@ -117,6 +118,19 @@ BOUNDS = [
          "draft-4-boolean-exclusive-left"),
     case({"allOf": [{"exclusiveMaximum": True}, {"exclusiveMaximum": 3}]},
          {"allOf": [{"exclusiveMaximum": True}, {"exclusiveMaximum": 3}]}, "boolean-exclusive-maximum-left"),
+    # Draft 4's flag qualifies its own part's bound: merged beside the other part's, it would move onto that one.
+    case({"$schema": D4, "allOf": [{"minimum": 1, "exclusiveMinimum": True}, {"minimum": 2}]},
+         {"$schema": D4, "allOf": [{"minimum": 1, "exclusiveMinimum": True}, {"minimum": 2}]},
+         "draft-4-flag-beside-the-other-parts-minimum-left"),
+    case({"$schema": D4, "maximum": -2, "allOf": [{"exclusiveMaximum": True}]},
+         {"$schema": D4, "maximum": -2, "allOf": [{"exclusiveMaximum": True}]}, "draft-4-flag-without-its-bound-left"),
+    case({"$schema": D4, "allOf": [{"minimum": 1, "exclusiveMinimum": True}, {"type": "integer", "maximum": 2}]},
+         {"$schema": D4, "minimum": 1, "exclusiveMinimum": True, "type": "integer", "maximum": 2},
+         "draft-4-flag-with-its-bound-merged"),
+    case({"$schema": D4, "allOf": [{"maximum": 3, "exclusiveMaximum": True}, {"maximum": 3, "exclusiveMaximum": True}]},
+         {"$schema": D4, "maximum": 3, "exclusiveMaximum": True}, "draft-4-equal-flagged-bounds-merged"),
+    case({"$schema": D7, "allOf": [{"minimum": 1, "exclusiveMinimum": 1}, {"minimum": 2}]},
+         {"$schema": D7, "minimum": 2, "exclusiveMinimum": 1}, "draft-7-exclusive-bound-merged"),
 ]
 
 KEYWORDS = [
@@ -841,7 +855,6 @@ UNSATISFIABLE = [
 # it; none left, the node is `false`. Enum values outside the bounds go; a const outside them is `false`. Only
 # bounds the schema's draft has, read as the output check (jsonschema) reads them; the neighbours that some value
 # meets are kept as they are.
-D4, D7 = "http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#"
 NAN = float("nan")  # one object: NaN equals only itself
 
 

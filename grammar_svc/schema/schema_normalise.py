@@ -79,7 +79,8 @@ stays `anyOf` to the grammars (the output check reports a document matching
 two branches).
 
 A merge this module cannot do exactly (two different `pattern`s, two
-`anyOf`s, a `$ref` cycle) leaves that node as it was: never a looser schema.
+`anyOf`s, a `$ref` cycle, draft 4's `exclusiveMinimum` flag beside the other
+part's `minimum`) leaves that node as it was: never a looser schema.
 One part's `patternProperties` beside the other's `additionalProperties`:
 the pattern's schema meets that `additionalProperties` (narrower for names
 the other part lists), and beside `false` the pattern goes (the names it
@@ -484,6 +485,14 @@ class _Normaliser:
         # other part's: a merged node would apply them to those.
         a, b = ({k: v for k, v in p.items() if "contains" in p or k not in ("minContains", "maxContains")}
                 for p in (a, b))
+        if "exclusiveMinimum" in self.unread:
+            # Draft 4's exclusiveMinimum is a flag on its own part's minimum: beside the other part's minimum (or
+            # flag) a merged node would put it on that bound, or the tighter bound would lose its flag.
+            for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+                pair_a, pair_b = ((p.get(bound), p.get(flag)) for p in (a, b))
+                if (flag in a and (bound in b or flag in b) or flag in b and (bound in a or flag in a)) and \
+                        json_key(pair_a) != json_key(pair_b):
+                    raise _CannotMerge(f"draft 4's {flag} beside the other part's {bound}")
         self._spend()
         out = dict(a)
         try:
