@@ -20,7 +20,9 @@ meaning:
   `false` part, a name one part requires and another forbids); an object
   node (`type: "object"`) with a required property that is `false`; an
   array node (`type: "array"`) whose `items` are `false` with `minItems` of
-  1 or more, or whose prefix item i is `false` with `minItems` past i.
+  1 or more, or whose prefix item i is `false` with `minItems` past i (the
+  prefix of the schema's draft: `prefixItems` from 2020-12, an `items` array
+  before).
   `anyOf`/`oneOf` branches that are `false` are dropped (none left: the node
   is `false`). A schema that is `false` as a whole is refused
   (InvalidGrammarError naming where and why);
@@ -44,7 +46,8 @@ meaning:
   draft 4, no `minContains` before 2019-09), as jsonschema reads them; a
   bound that is no finite number, and a fractional `multipleOf`, are not.
   Those a draft lacks that a backend would enforce (`const`, `contains`,
-  `minContains`/`maxContains`) are dropped, before a merge reads them;
+  `minContains`/`maxContains`, `prefixItems`) are dropped, before a merge
+  reads them;
 - `not` with only a `type` becomes the remaining types (xgrammar ignores
   `not`; `not: {"type": "integer"}` also leaves out non-integral numbers,
   which no JSON Schema type names);
@@ -150,10 +153,14 @@ _TYPE_NAMES = frozenset({*_JSON_TYPES, "number", "integer"})
 # naming no draft is read as 2020-12, where they apply, as the output check reads it.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
 # The keywords a draft does not have, of those that make a node `false` (draft 4's `exclusiveMinimum` is a flag
-# on `minimum`; const and contains came in draft 6, minContains in 2019-09): not read in a schema naming it.
-_UNREAD = {"draft-03": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains"),
-           "draft-04": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains"),
-           "draft-06": ("minContains", "maxContains"), "draft-07": ("minContains", "maxContains")}
+# on `minimum`; const and contains came in draft 6, minContains and prefixItems later): not read in a schema
+# naming it. Where prefixItems is not read, an `items` array is (its form of a prefix), and only there.
+_UNREAD = {"draft-03": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains",
+                        "prefixItems"),
+           "draft-04": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains",
+                        "prefixItems"),
+           "draft-06": ("minContains", "maxContains", "prefixItems"),
+           "draft-07": ("minContains", "maxContains", "prefixItems"), "2019-09": ("prefixItems",)}
 
 
 class _CannotMerge(Exception):
@@ -246,8 +253,8 @@ class _Normaliser:
         self.unread = frozenset(k for d, keys in _UNREAD.items() if isinstance(draft, str) and d in draft
                                 for k in keys)
         # Dropped, not only left unread: a merge would read them (a const beside the other part's enum), and
-        # both backends enforce a const whatever the draft. Draft 4's exclusive flags stay (they qualify its
-        # minimum/maximum).
+        # both backends enforce a const (a prefixItems) whatever the draft. Draft 4's exclusive flags stay (they
+        # qualify its minimum/maximum).
         self.dropped = self.unread - {"exclusiveMinimum", "exclusiveMaximum"}
         self.budget = budget
         self._produced = 0
@@ -324,7 +331,7 @@ class _Normaliser:
                     return self._false(f"every branch of its {key} accepts no value",
                                        self.notes.get(self._here(key, "0"), ""))
                 out = {**out, key: [b for b in out[key] if b is not False]}
-        found = _unsatisfiable(out)
+        found = _unsatisfiable(out, self.unread)
         if found is not None:
             why, part = found
             return self._false(why, self.notes.get(self._here(*part), "") if part else "")
@@ -647,7 +654,7 @@ def _not_type(node: dict) -> dict:
     return out
 
 
-def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
+def _unsatisfiable(node: dict, unread: frozenset) -> tuple[str, tuple[str, ...]] | None:
     """Why no value satisfies `node` (its keywords final), with the path of the part that makes it so (empty: the
     node's own keywords); None where some value may. Only what is certain: an object's required property or an
     array's items matter only where the node's type is that type alone (other types ignore those keywords; where
@@ -662,7 +669,7 @@ def _unsatisfiable(node: dict) -> tuple[str, tuple[str, ...]] | None:
     if types == ["object"]:
         return _false_required(node)
     if types == ["array"]:
-        return _false_items(node)
+        return _false_items(node, unread)
     return None
 
 
@@ -675,21 +682,21 @@ def _false_required(node: dict) -> tuple[str, tuple[str, ...]] | None:
     return None
 
 
-def _false_items(node: dict) -> tuple[str, tuple[str, ...]] | None:
-    """Why no array satisfies `node` (items that are `false` where minItems asks for some), with their path."""
+def _false_items(node: dict, unread: frozenset) -> tuple[str, tuple[str, ...]] | None:
+    """Why no array satisfies `node` (items that are `false` where minItems asks for some), with their path. The
+    prefix is the draft's: `prefixItems` from 2020-12, an `items` array before (the other form is not read)."""
     min_items = node.get("minItems")  # none: 0, which no rule below applies to
     if not _numbers(min_items):
         return None
+    key = "items" if "prefixItems" in unread else "prefixItems"
+    prefix = node.get(key) if isinstance(node.get(key), list) else []
     # 2020-12: items beside prefixItems governs the elements past them only (a closed tuple).
-    prefix_len = len(node["prefixItems"]) if isinstance(node.get("prefixItems"), list) else 0
-    if node.get("items") is False and min_items > prefix_len:
+    if node.get("items") is False and min_items > (len(prefix) if key == "prefixItems" else 0):
         return f"its items accept no value and its minItems is {min_items}", ("items",)
-    for key in ("prefixItems", "items"):
-        prefix = node.get(key)
-        # `is`, not `in`/index: 0 == False in Python
-        i = next((i for i, v in enumerate(prefix) if v is False), None) if isinstance(prefix, list) else None
-        if i is not None and i < min_items:
-            return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
+    # `is`, not `in`/index: 0 == False in Python
+    i = next((i for i, v in enumerate(prefix) if v is False), None)
+    if i is not None and i < min_items:
+        return f"its {key} item {i} accepts no value and its minItems is {min_items}", (key, str(i))
     return None
 
 
@@ -841,7 +848,7 @@ def _no_array(node: dict, unread: frozenset) -> str | None:
         most = node.get("maxContains")
         if "maxContains" not in unread and _finite(most) and most < need:
             return f"its maxContains {most!r} is less than {needed}"
-    found = _false_items(node)
+    found = _false_items(node, unread)
     return found[0] if found else _no_count(node, "minItems", "maxItems", need, needed)
 
 
