@@ -639,11 +639,19 @@ ONE_OF_TOLD_APART = [
 
 NOT_TYPE = [
     case({"not": {"type": "string"}}, {"type": ALL_BUT_STRING}, "not-string"),
-    case({"not": {"type": "integer"}}, {"type": NO_NUMBERS}, "not-integer-no-numbers"),
+    # Non-integral numbers are left, which no type names: left as written where the node admits number.
+    case({"not": {"type": "integer"}}, {"not": {"type": "integer"}}, "not-integer-untyped-left"),
+    case({"type": "number", "not": {"type": "integer"}}, {"type": "number", "not": {"type": "integer"}},
+         "not-integer-beside-number-left"),
+    case({"type": ["integer", "string"], "not": {"type": "integer"}}, {"type": "string"},
+         "not-integer-beside-integer-and-string"),
+    case({"type": "integer", "not": {"type": "integer"}}, False, "not-integer-beside-integer"),
     case({"not": {"type": "number"}}, {"type": NO_NUMBERS}, "not-number"),
     case({"not": {"type": ["string", "null"]}}, {"type": ["object", "array", "number", "boolean"]}, "not-two-types"),
-    case({"not": {"type": ["string", "integer"]}}, {"type": ["object", "array", "boolean", "null"]},
-         "not-a-type-and-integer"),
+    case({"not": {"type": ["string", "integer"]}}, {"not": {"type": ["string", "integer"]}},
+         "not-a-type-and-integer-left"),
+    case({"type": ["string", "integer", "null"], "not": {"type": ["string", "integer"]}}, {"type": "null"},
+         "not-a-type-and-integer-beside-no-number"),
     case({"not": {"type": ["object", "array", "string", "boolean", "null"]}}, {"type": ["number"]},
          "only-numbers-left"),
     case({"minimum": 1, "not": {"type": "object"}}, {"minimum": 1, "type": ["array", "string", "number", "boolean",

@@ -49,8 +49,8 @@ meaning:
   `minContains`/`maxContains`, `prefixItems`) are dropped, before a merge
   reads them;
 - `not` with only a `type` becomes the remaining types (xgrammar ignores
-  `not`; `not: {"type": "integer"}` also leaves out non-integral numbers,
-  which no JSON Schema type names);
+  `not`); where it excludes integer but the node admits number, it is left
+  as written (no JSON Schema type names the non-integral numbers it leaves);
 - a `required` property that `properties` does not list is listed (with the
   node's `additionalProperties`, else any value): xgrammar's strict mode
   would otherwise drop it, writing an object without it; the names a
@@ -638,6 +638,8 @@ def _closed_branches_told_apart(node: dict) -> dict:
 def _not_type(node: dict) -> dict:
     """`not: {type: T}` as the types other than T (intersected with the node's own)."""
     excluded = set(_types(node["not"]["type"]))
+    if "integer" in excluded and "number" not in excluded and ("type" not in node or "number" in _types(node["type"])):
+        return node  # non-integral numbers stay, and no type names them: left as written
     if "number" in excluded or "integer" in excluded:
         excluded |= {"number", "integer"}
     remaining = [t for t in ("object", "array", "string", "number", "integer", "boolean", "null") if t not in excluded]
