@@ -718,7 +718,11 @@ REQUIRED = [
 PATTERN_LENGTHS = [
     case({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 5},
          {"type": "string", "pattern": "^[a-z]{2,5}$"}, "plus"),
-    case({"pattern": "[a-z]*", "maxLength": 3}, {"pattern": "^[a-z]{0,3}$"}, "star-unanchored"),
+    # Unanchored (at either end), a match may sit within a longer string: left as written.
+    case({"pattern": "[a-z]*", "maxLength": 3}, {"pattern": "[a-z]*", "maxLength": 3}, "star-unanchored-left"),
+    case({"maxLength": 3, "pattern": "[ab]+"}, {"maxLength": 3, "pattern": "[ab]+"}, "plus-unanchored-left"),
+    case({"minLength": 2, "pattern": "^[ab]{2,}"}, {"minLength": 2, "pattern": "^[ab]{2,}"}, "no-end-anchor-left"),
+    case({"minLength": 2, "pattern": "[ab]{2,}$"}, {"minLength": 2, "pattern": "[ab]{2,}$"}, "no-start-anchor-left"),
     case({"pattern": "^\\d{2,}$", "maxLength": 4}, {"pattern": "^\\d{2,4}$"}, "at-least"),
     case({"pattern": "^.{1,10}$", "minLength": 3, "maxLength": 20}, {"pattern": "^.{3,10}$"}, "range-tightened"),
     case({"pattern": "^.{4,10}$", "minLength": 3, "maxLength": 6}, {"pattern": "^.{4,6}$"}, "range-min-from-pattern"),

@@ -60,9 +60,9 @@ meaning:
   `patternProperties`), not required, is unlisted: forbidden all the same,
   and xgrammar refuses a `false` property schema (JsonSchemaStore's semgrep
   has one named `additionalProperties`);
-- a `pattern` that is one repeated character class (`^[a-z0-9_]+$`) takes
-  the string's `minLength`/`maxLength` into its repetition (xgrammar ignores
-  the lengths beside any `pattern`);
+- a `pattern` that is one repeated character class anchored at both ends
+  (`^[a-z0-9_]+$`) takes the string's `minLength`/`maxLength` into its
+  repetition (xgrammar ignores the lengths beside any `pattern`);
 - a discriminated union written with `if`/`then`/`else` (the node's own, or
   parts of its `allOf`, each `if` only one property's `const`/`enum`, on an
   object node that requires that property and lists its values in an
@@ -1088,7 +1088,9 @@ def _lengths_into_pattern(node: dict) -> dict:
     """`^A+$` with minLength m and maxLength n becomes `^A{m,n}$`: one character per atom, so exact."""
     m = REPEATED_ATOM.match(node["pattern"])
     lo, hi = node.get("minLength", 0), node.get("maxLength")
-    if m is None or not _numbers(lo) or (hi is not None and not _numbers(hi)):
+    # Anchored at both ends only: `[ab]+` matches within "xa", which `^[ab]{1,3}$` would reject.
+    anchored = node["pattern"].startswith("^") and node["pattern"].endswith("$")
+    if m is None or not anchored or not _numbers(lo) or (hi is not None and not _numbers(hi)):
         return node
     q, q_lo = m["q"], _least_repeats(m)
     q_hi = None if q in "+*" else (int(m["lo"]) if m["comma"] is None else (int(m["hi"]) if m["hi"] else None))
