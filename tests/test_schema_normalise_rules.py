@@ -210,6 +210,22 @@ KEYWORDS = [
          "tuple-items-second-left"),
     case({"allOf": [{"items": {"type": "string"}}, {"items": {"type": "integer"}}]}, {"items": False},
          "items-conflict-are-false-items"),
+    # A part's items past its prefix govern the elements past its own prefix only: beside another prefix, left.
+    case({"allOf": [{"prefixItems": [True]}, {"items": False}]}, {"allOf": [{"prefixItems": [True]}, {"items": False}]},
+         "prefix-items-beside-the-other-parts-items-left"),
+    case({"allOf": [{"items": {"type": "integer"}}, {"prefixItems": [{}], "items": False}]},
+         {"allOf": [{"items": {"type": "integer"}}, {"prefixItems": [{}], "items": False}]},
+         "items-beside-the-other-parts-closed-tuple-left"),
+    case({"allOf": [{"prefixItems": [{"type": "string"}], "items": False}, {"prefixItems": [{"type": "string"}]}]},
+         {"prefixItems": [{"type": "string"}], "items": False}, "the-same-prefix-merged"),
+    case({"allOf": [{"prefixItems": [{"type": "string"}]}, {"minItems": 1}]},
+         {"prefixItems": [{"type": "string"}], "minItems": 1}, "prefix-items-beside-no-items-merged"),
+    case({"$schema": D7, "allOf": [{"items": [True]}, {"additionalItems": False}]},
+         {"$schema": D7, "allOf": [{"items": [True]}, {"additionalItems": False}]},
+         "draft-7-items-array-beside-the-other-parts-additional-items-left"),
+    case({"$schema": D7, "allOf": [{"items": {"type": "integer"}}, {"additionalItems": False}]},
+         {"$schema": D7, "items": {"type": "integer"}, "additionalItems": False},
+         "draft-7-items-schema-beside-additional-items-merged"),
 ]
 
 # Keywords that constrain nothing: where two parts disagree the first part's stays, and they stay on a node whose
@@ -448,6 +464,9 @@ REFS = [
 ]
 
 DISTRIBUTE = [
+    case({"prefixItems": [True], "oneOf": [{"items": False}, {"type": "string"}]},
+         {"prefixItems": [True], "oneOf": [{"items": False}, {"type": "string"}]},
+         "prefix-items-beside-a-branchs-items-left"),
     case({"type": "object", "title": "T", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
          {"title": "T", "anyOf": [{"type": "object", "required": ["a"], "properties": {"a": {}}},
                                   {"type": "object", "required": ["b"], "properties": {"b": {}}}]},

@@ -83,7 +83,9 @@ two branches).
 
 A merge this module cannot do exactly (two different `pattern`s, two
 `anyOf`s, a `$ref` cycle, draft 4's `exclusiveMinimum` flag beside the other
-part's `minimum`) leaves that node as it was: never a looser schema.
+part's `minimum`, one part's `prefixItems` or `items` array beside the other's
+`items` or `additionalItems` with another prefix) leaves that node as it was:
+never a looser schema.
 One part's `patternProperties` beside the other's `additionalProperties`:
 the pattern's schema meets that `additionalProperties` (narrower for names
 the other part lists), and beside `false` the pattern goes (the names it
@@ -492,6 +494,15 @@ class _Normaliser:
         # other part's: a merged node would apply them to those.
         a, b = ({k: v for k, v in p.items() if "contains" in p or k not in ("minContains", "maxContains")}
                 for p in (a, b))
+        # A part's items past its prefix (2020-12's items beside prefixItems; additionalItems beside an items
+        # array) govern the elements past its own prefix only: beside the other part's prefix they would govern
+        # fewer elements (looser), and the other part's would start applying past this part's (narrower).
+        prefix_key, rest_key = ("items", "additionalItems") if "prefixItems" in self.unread else \
+            ("prefixItems", "items")
+        for p, q in ((a, b), (b, a)):
+            if isinstance(p.get(prefix_key), list) and rest_key in q and \
+                    json_key(p[prefix_key]) != json_key(q.get(prefix_key)):
+                raise _CannotMerge(f"one part's {prefix_key} beside the other part's {rest_key}")
         if "exclusiveMinimum" in self.unread:
             # Draft 4's exclusiveMinimum is a flag on its own part's minimum: beside the other part's minimum (or
             # flag) a merged node would put it on that bound, or the tighter bound would lose its flag.
