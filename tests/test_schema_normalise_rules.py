@@ -503,6 +503,15 @@ A_CASE = {"type": "object", "properties": {"k": {"enum": ["a"]}, "x": {}}, "requ
 BC_CASE = {"type": "object", "properties": {"k": {"enum": ["b", "c"]}}, "required": ["k"]}
 
 IF_THEN_CASES = [
+    # Drafts 4 and 6 have no if: left as written.
+    case({"$schema": "http://json-schema.org/draft-06/schema#", **K_ABC, **IF_K},
+         {"$schema": "http://json-schema.org/draft-06/schema#", **K_ABC, "if": IF_K["if"],
+          "then": {"required": ["x"], "properties": {"x": {}}}}, "draft-6-has-no-if"),
+    case({"$schema": D4, **K_ABC,
+          "allOf": [{"if": {"properties": {"k": {"enum": ["a"]}}}, "then": {"maxProperties": 1}}]},
+         {"$schema": D4, **K_ABC, "if": {"properties": {"k": {"enum": ["a"]}}}, "then": {"maxProperties": 1}},
+         "draft-4-has-no-if-its-part-merged-as-written"),
+    case({"$schema": D7, **K_ABC, **IF_K}, {"$schema": D7, "anyOf": [A_CASE, BC_CASE]}, "draft-7-has-if"),
     # The node's annotations ($defs among them) stay once, at the node, not copied into every case.
     case({**K_ABC, "title": "T", "$defs": {"d": {"type": "string"}}, "allOf": [IF_K]},
          {"title": "T", "$defs": {"d": {"type": "string"}}, "anyOf": [A_CASE, BC_CASE]}, "annotations-once-at-the-node"),
@@ -715,10 +724,17 @@ REQUIRED = [
     case({"required": ["a"], "properties": []}, {"required": ["a"], "properties": []}, "properties-not-a-map-left"),
     case({"required": ["a"], "properties": {"a": {"type": "string"}}},
          {"required": ["a"], "properties": {"a": {"type": "string"}}}, "already-listed"),
-    case({"required": ["a"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
+    # Each in its own drafts: dependencies up to draft 7, dependentRequired after (no $schema: 2020-12).
+    case({"$schema": D7, "required": ["a"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
           "properties": {"a": {}, "b": {}, "c": {}}},
-         {"required": ["a", "b", "c"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
-          "properties": {"a": {}, "b": {}, "c": {}}}, "dependencies-of-dependencies"),
+         {"$schema": D7, "required": ["a", "b", "c"], "dependencies": {"a": ["b"], "b": ["c"], "d": ["e"]},
+          "properties": {"a": {}, "b": {}, "c": {}}}, "draft-7-dependencies-of-dependencies"),
+    case({"type": "object", "required": ["a"], "dependencies": {"a": ["b"]}},
+         {"type": "object", "required": ["a"], "dependencies": {"a": ["b"]}, "properties": {"a": {}}},
+         "2020-12-has-no-dependencies"),
+    case({"$schema": D7, "type": "object", "required": ["a"], "dependentRequired": {"a": ["b"]}},
+         {"$schema": D7, "type": "object", "required": ["a"], "dependentRequired": {"a": ["b"]},
+          "properties": {"a": {}}}, "draft-7-has-no-dependent-required"),
     case({"required": ["a"], "dependentRequired": {"a": ["b", "a"]}, "properties": {"a": {}, "b": {}}},
          {"required": ["a", "b"], "dependentRequired": {"a": ["b", "a"]}, "properties": {"a": {}, "b": {}}},
          "dependent-required"),
@@ -727,8 +743,8 @@ REQUIRED = [
          "schema-dependency-not-followed"),
     case({"required": ["a"], "dependencies": ["a"], "properties": {"a": {}}},
          {"required": ["a"], "dependencies": ["a"], "properties": {"a": {}}}, "dependencies-not-a-map"),
-    case({"required": ["a"], "dependencies": {"a": ["b", 7]}}, {"required": ["a", "b"], "dependencies": {
-        "a": ["b", 7]}, "properties": {"a": {}, "b": {}}}, "dependency-names-only"),
+    case({"$schema": D4, "required": ["a"], "dependencies": {"a": ["b", 7]}}, {"$schema": D4, "required": ["a", "b"],
+         "dependencies": {"a": ["b", 7]}, "properties": {"a": {}, "b": {}}}, "draft-4-dependency-names-only"),
     case({"required": ["a", 7], "properties": {"a": {}}}, {"required": ["a"], "properties": {"a": {}}},
          "names-only"),
     case({"required": "a"}, {"required": "a"}, "required-not-a-list"),

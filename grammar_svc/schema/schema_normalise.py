@@ -54,8 +54,8 @@ meaning:
 - a `required` property that `properties` does not list is listed (with the
   node's `additionalProperties`, else any value): xgrammar's strict mode
   would otherwise drop it, writing an object without it; the names a
-  required property's `dependencies` (`dependentRequired`) require are
-  required too;
+  required property's `dependencies` (up to draft 7; `dependentRequired`
+  after) require are required too;
 - a property whose schema is `false` on a closed object (no
   `patternProperties`), not required, is unlisted: forbidden all the same,
   and xgrammar refuses a `false` property schema (JsonSchemaStore's semgrep
@@ -67,7 +67,8 @@ meaning:
   parts of its `allOf`, each `if` only one property's `const`/`enum`, on an
   object node that requires that property and lists its values in an
   `enum`/`const`) becomes an `anyOf` with one branch per set of values the
-  same `then`/`else` schemas apply to: both backends ignore `if`.
+  same `then`/`else` schemas apply to: both backends ignore `if` (a schema
+  naming draft 4 or 6, which have no `if`, is left as written).
 
 Both backends apply `oneOf` as `anyOf`. Where its branches are objects told
 apart by one property's `const`/`enum` values (no value in two branches), that
@@ -154,15 +155,18 @@ _TYPE_NAMES = frozenset({*_JSON_TYPES, "number", "integer"})
 # The `$schema` of the drafts where a `$ref` replaces its node (every keyword beside it ignored). A schema
 # naming no draft is read as 2020-12, where they apply, as the output check reads it.
 _DRAFTS_IGNORING_REF_SIBLINGS = ("draft-03", "draft-04", "draft-06", "draft-07")
-# The keywords a draft does not have, of those that make a node `false` (draft 4's `exclusiveMinimum` is a flag
-# on `minimum`; const and contains came in draft 6, minContains and prefixItems later): not read in a schema
-# naming it. Where prefixItems is not read, an `items` array is (its form of a prefix), and only there.
+# The keywords a draft does not have, of those this module reads (draft 4's `exclusiveMinimum` is a flag on
+# `minimum`; const and contains came in draft 6, if in draft 7, minContains, dependentRequired and prefixItems
+# later): not read in a schema naming it. Where prefixItems is not read, an `items` array is (its form of a
+# prefix), and only there.
 _UNREAD = {"draft-03": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains",
-                        "prefixItems"),
+                        "prefixItems", "if", "dependentRequired"),
            "draft-04": ("const", "contains", "exclusiveMinimum", "exclusiveMaximum", "minContains", "maxContains",
-                        "prefixItems"),
-           "draft-06": ("minContains", "maxContains", "prefixItems"),
-           "draft-07": ("minContains", "maxContains", "prefixItems"), "2019-09": ("prefixItems",)}
+                        "prefixItems", "if", "dependentRequired"),
+           "draft-06": ("minContains", "maxContains", "prefixItems", "if", "dependentRequired"),
+           "draft-07": ("minContains", "maxContains", "prefixItems", "dependentRequired"), "2019-09": ("prefixItems",)}
+# Those of them a backend would enforce: dropped (the others, which no backend enforces, stay as written).
+_DROPPED = frozenset({"const", "contains", "minContains", "maxContains", "prefixItems"})
 
 
 class _CannotMerge(Exception):
@@ -252,12 +256,13 @@ class _Normaliser:
         self.root = root
         self.ref_siblings = ref_siblings
         draft = root.get("$schema")
+        # 2019-09 split `dependencies` into dependentRequired and dependentSchemas: from there (and in a schema
+        # naming no draft up to 7, read as 2020-12) it is no keyword.
         self.unread = frozenset(k for d, keys in _UNREAD.items() if isinstance(draft, str) and d in draft
-                                for k in keys)
+                                for k in keys) | ({"dependencies"} if ref_siblings else set())
         # Dropped, not only left unread: a merge would read them (a const beside the other part's enum), and
-        # both backends enforce a const (a prefixItems) whatever the draft. Draft 4's exclusive flags stay (they
-        # qualify its minimum/maximum).
-        self.dropped = self.unread - {"exclusiveMinimum", "exclusiveMaximum"}
+        # both backends enforce a const (a prefixItems) whatever the draft.
+        self.dropped = self.unread & _DROPPED
         self.budget = budget
         self._produced = 0
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
@@ -306,7 +311,7 @@ class _Normaliser:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
         if "$ref" in out and not self.ref_siblings:
             return out  # the `$ref` replaces it: the keywords beside it neither constrain nor make it `false`
-        if isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out:
+        if "if" not in self.unread and (isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out):
             self._last_note = ""  # a note a merge below makes names why
             out = self._if_then_cases(out)
             if out is False:
@@ -349,7 +354,7 @@ class _Normaliser:
             if out is False:
                 return self._false("its not excludes every type its type admits")
         if isinstance(out.get("required"), list):
-            out = _required_listed(out)
+            out = _required_listed(out, self.unread)
         if out.get("additionalProperties") is False and isinstance(out.get("properties"), dict) and \
                 False in out["properties"].values() and not out.get("patternProperties"):
             out = _false_properties_unlisted(out)
@@ -918,11 +923,12 @@ def _violation(value: Any, node: dict, unread: frozenset) -> str | None:
     return None
 
 
-def _required_listed(node: dict) -> dict:
-    """Every required name (with what its dependencies require) listed in `properties`."""
+def _required_listed(node: dict, unread: frozenset) -> dict:
+    """Every required name (with what its dependencies require, in the keyword of the schema's draft) listed in
+    `properties`."""
     required = [k for k in node["required"] if isinstance(k, str)]
     for key in ("dependencies", "dependentRequired"):
-        deps = node.get(key)
+        deps = node.get(key) if key not in unread else None
         if not isinstance(deps, dict):
             continue
         for name in required:  # grows while it is walked: dependencies of dependencies
