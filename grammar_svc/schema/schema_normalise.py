@@ -1105,11 +1105,14 @@ def _lengths_into_pattern(node: dict) -> dict:
     """`^A+$` with minLength m and maxLength n becomes `^A{m,n}$`: one character per atom, so exact."""
     m = REPEATED_ATOM.match(node["pattern"])
     lo, hi = node.get("minLength", 0), node.get("maxLength")
-    # Anchored at both ends only: `[ab]+` matches within "xa", which `^[ab]{1,3}$` would reject.
-    anchored = node["pattern"].startswith("^") and node["pattern"].endswith("$")
-    if m is None or not anchored or not _numbers(lo) or (hi is not None and not _numbers(hi)):
-        return node
+    if m is None or not _finite(lo) or (hi is not None and not _finite(hi)):
+        return node  # (an infinite length is no whole number to write)
     q, q_lo = m["q"], _least_repeats(m)
+    # Anchored at both ends, or a maxLength that leaves room for the fewest repeats only (a match is then the
+    # whole string): `[ab]+` matches within "xa", which `^[ab]{1,3}$` would reject.
+    anchored = node["pattern"].startswith("^") and node["pattern"].endswith("$")
+    if not anchored and not (_finite(hi) and hi < q_lo + 1):
+        return node
     q_hi = None if q in "+*" else (int(m["lo"]) if m["comma"] is None else (int(m["hi"]) if m["hi"] else None))
     # A length is whole: a fractional bound is the next whole one inside it (int() took minLength 2.5 as 2).
     lo = max(math.ceil(lo), q_lo)
