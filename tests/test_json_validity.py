@@ -158,7 +158,9 @@ CLOSED_ALL_OF = {"allOf": [{"type": "object", "properties": {"a": {"type": "inte
                            {"properties": {"b": {"type": "string"}}}]}
 TYPED_ENUM = {"type": "string", "enum": ["a", 1, None]}
 REQUIRED_UNLISTED = {"type": "object", "required": ["a"]}
-DEPENDENCIES = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+# `dependencies` is draft 7's (2020-12, read where no $schema is named, has dependentRequired instead).
+DEPENDENCIES = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                 "required": ["a"], "dependencies": {"a": ["b"]}}
 IF_THEN_PARTS = {"type": "object", "properties": {"m": {"type": "string"}}, "additionalProperties": False,
                  "allOf": [{"if": {"properties": {"m": {"const": "x"}}}, "then": {"required": ["m"]}},
