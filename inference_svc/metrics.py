@@ -119,6 +119,12 @@ class InferenceMetrics:
             ["reason"], registry=r)
         for reason in ("timeout", "broken"):  # exported from the start: dashboards see zeros, not gaps
             self.grammar_replica_losses.labels(reason)
+        self.grammar_replicas = Gauge(
+            "inference_svc_grammar_replicas",
+            "Grammar replicas this inference service knows, by state: registered (holds the tokenizer, takes new "
+            "sessions), unregistered (down, hung or restarted without the tokenizer: the tier's maintenance "
+            "registers it again), retired (its address left DNS: no new sessions, gone once its sessions end).",
+            ["state"], registry=r)
         self.step_failures = Counter(
             "inference_svc_step_failures_total",
             "Engine steps that failed as a whole (e.g. the forward raised): their requests failed, the loop went on.",

@@ -22,8 +22,8 @@ import grpc
 import pytest
 
 from inference_svc.grammar.grammar_link import GrammarLink
-from inference_svc.grammar.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, GrammarProtocolError, GrammarRow, GrammarTier,
-                                        RowOutcome, _check_answer, _row_result)
+from inference_svc.grammar.grammar_tier import (MAX_ACCEPT_PER_MESSAGE, REPLICA_STATES, GrammarProtocolError,
+                                                GrammarRow, GrammarTier, RowOutcome, _check_answer, _row_result)
 from inference_svc.types import Constraint
 from structd.bench.harness import ChildService
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
@@ -151,6 +151,8 @@ def test_replica_fault_mid_generation_costs_no_request(replicas, fault):
             return {r.grammar.replica for r in reqs} if len(reqs) >= 4 else set()
 
         wait_until(lambda: srv.run_sync(placed), "requests decoding")
+        get = srv.server.metrics.registry.get_sample_value
+        assert [get("inference_svc_grammar_replicas", {"state": s}) for s in REPLICA_STATES] == [2, 0, 0]
         victim_index = next(iter(srv.run_sync(placed)))
         victim = next(r for r in replicas if r.target == engine.grammar.target(victim_index))
         workers = children_of(victim.proc.pid)  # its compile zygote, check workers, resource tracker
@@ -159,7 +161,6 @@ def test_replica_fault_mid_generation_costs_no_request(replicas, fault):
             t.join(120)
             assert "err" not in box, box.get("err")
             assert box["out"].finish_reason == "stop" and _valid_digits(box["out"].text)
-        get = srv.server.metrics.registry.get_sample_value
         assert get("inference_svc_grammar_replays_total") >= 1
         reason = "timeout" if fault == signal.SIGSTOP else "broken"
         assert get("inference_svc_grammar_replica_losses_total", {"reason": reason}) >= 1
@@ -250,13 +251,14 @@ def test_compile_on_a_replica_gone_unavailable_moves_to_another(grammar_server, 
             first.registered = True
             session = GrammarLink(Constraint("regex", "[0-9]{3}"))
             await tier.compile(session)
-            return tier.target(session.replica), first.registered
+            return tier.target(session.replica), first.registered, tier.replica_counts()
         finally:
             await tier.close()
 
-    target, first_registered = asyncio.run(go())
+    target, first_registered, counts = asyncio.run(go())
     assert target == live.target
     assert first_registered is False  # marked down until it answers again
+    assert counts == {"registered": 1, "unregistered": 1, "retired": 0}
 
 
 def test_addresses_that_leave_dns_are_dropped(grammar_server, tokenizer_desc, monkeypatch):
@@ -274,16 +276,24 @@ def test_addresses_that_leave_dns_are_dropped(grammar_server, tokenizer_desc, mo
         tier = GrammarTier((f"dns:///grammar.test:{port}",), tokenizer_desc)
         try:
             before = sorted(tier.targets)
+            # A session on the address about to leave: retired, not dropped, while it lasts.
+            leaving = next(r for r in tier._replicas.values() if r.client.target.startswith("127.0.0.2"))
+            leaving.sessions = 1
             answers["now"] = ["127.0.0.1"]
+            await tier.connect(timeout=2.0)
+            retired = tier.replica_counts()
+            leaving.sessions = 0
+            tier._forget_if_unused(leaving)
             await tier.connect(timeout=2.0)
             after = sorted(tier.targets)
             answers["now"] = []
             await tier.connect(timeout=2.0)  # a failed lookup keeps what there is
-            return before, after, sorted(tier.targets), len(tier._replicas)
+            return before, after, sorted(tier.targets), len(tier._replicas), retired
         finally:
             await tier.close()
 
-    before, after, kept, num = asyncio.run(go())
+    before, after, kept, num, retired = asyncio.run(go())
+    assert retired == {"registered": 1, "unregistered": 0, "retired": 1}
     assert before == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
     assert after == kept == [f"127.0.0.1:{port}"]
     assert num == 1  # the dropped replica held no session: it is gone, not redialled

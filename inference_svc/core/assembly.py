@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from inference_svc.config import DEFAULT_KV_CACHE_BYTES, InferenceServiceConfig
 from inference_svc.engine.engine import Engine, TokenizerView
-from inference_svc.grammar.grammar_tier import GrammarTier
+from inference_svc.grammar.grammar_tier import REPLICA_STATES, GrammarTier
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.model.model_loading import ModelInfo, ModelSource, default_device, resolve_model
 from inference_svc.model.paged_kernel import AttentionBackendError, resolve_backend
@@ -271,6 +271,9 @@ class EngineAssembly:
         self.grammar = GrammarTier(c.grammar_targets, desc, c.engine.compile_timeout_seconds,
                                    write_sparse_rows=runner.device.type != "cpu",
                                    step_timeout_seconds=c.grammar_step_timeout_seconds, tls=c.grammar_tls)
+        for state in REPLICA_STATES:
+            self.metrics.grammar_replicas.labels(state).set_function(
+                lambda state=state: self.grammar.replica_counts()[state])
         self.engine = Engine(runner=runner, tokenizer=view, grammar=self.grammar, config=self.config.engine,
                              metrics=self.metrics, max_model_len=max_model_len, on_fatal=self.on_fatal,
                              device_thread=device_thread)

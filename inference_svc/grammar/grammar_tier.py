@@ -96,6 +96,8 @@ _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 # Per-session error codes that are the request's own (its constraint, a limit it hit): passed on as such;
 # any other code is the replica's trouble and reaches the client as UNAVAILABLE.
 _REQUEST_CODES = {grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+# What inference_svc_grammar_replicas counts (replica_counts).
+REPLICA_STATES = ("registered", "unregistered", "retired")
 # Compile answers remembered per replica (see the module docstring); the least recently used go first.
 # Constraints longer than COMPILED_MEMO_MAX_CONSTRAINT_CHARS are not remembered (at most ~16 MB of keys a replica).
 COMPILED_MEMO_ENTRIES = 1024
@@ -395,6 +397,14 @@ class GrammarTier:
                 await self.connect(timeout=min(interval_seconds, 5.0))
             except Exception:  # noqa: BLE001 - a replica's or DNS's failure; the next round tries again
                 log.exception("grammar tier maintenance failed")
+
+    def replica_counts(self) -> dict[str, int]:
+        """Replicas by state (REPLICA_STATES). Read at scrape time from the metrics thread: list() of the dict's
+        values is taken without releasing the GIL."""
+        counts = dict.fromkeys(REPLICA_STATES, 0)
+        for r in list(self._replicas.values()):
+            counts["retired" if r.retired else "registered" if r.registered else "unregistered"] += 1
+        return counts
 
     @property
     def targets(self) -> list[str]:

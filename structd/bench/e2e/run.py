@@ -270,6 +270,19 @@ def phase_requests(args, kind: str, n: int, constrained_lengths: list[int] | Non
     return [(w, args.max_tokens) for w in items]
 
 
+def wait_for_replicas(server, count: int, timeout_seconds: float = 120.0) -> None:
+    """Until the inference server holds the tokenizer on all `count` grammar replicas: SERVING needs one, and
+    sessions go to registered replicas only, so one registered late (its tokenizer load outlasting the
+    registration timeout on a busy machine) would sit out the first phases of a replica sweep."""
+    key = "inference_svc_grammar_replicas{state=registered}"
+    deadline = time.monotonic() + timeout_seconds
+    while (registered := parse_metrics(server.metrics_text()).get(key, 0.0)) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{registered:g} of {count} grammar replicas registered with the inference server "
+                               f"after {timeout_seconds:g} s")
+        time.sleep(0.2)
+
+
 def run_runner(args, runner: RunnerSpec, grammar: GrammarTier, out: Path) -> list[dict]:
     max_n = max(args.concurrency)
     progress(f"[{runner.name}] starting the inference server ({runner.label}, "
@@ -278,8 +291,9 @@ def run_runner(args, runner: RunnerSpec, grammar: GrammarTier, out: Path) -> lis
     server = start_inference(args, runner, grammar.targets, max_n, out)
     phases = []
     try:
-        progress(f"[{runner.name}] SERVING at {server.target} after {time.perf_counter() - t:.1f} s; "
-                 f"warm-up (compiles the {len(SCHEMAS)} schemas)")
+        progress(f"[{runner.name}] SERVING at {server.target} after {time.perf_counter() - t:.1f} s")
+        wait_for_replicas(server, runner.grammar_replicas)
+        progress(f"[{runner.name}] warm-up (compiles the {len(SCHEMAS)} schemas)")
         t = time.perf_counter()
         asyncio.run(warm_up(server.target, args.max_tokens))
         progress(f"[{runner.name}] warm-up done in {time.perf_counter() - t:.1f} s")
