@@ -315,7 +315,7 @@ def test_a_compile_another_caller_waits_for_goes_on(roomy, tokenizer_desc):
 
 
 def test_a_caller_that_joined_a_compile_with_a_shorter_deadline_gets_its_own(roomy, tokenizer_desc):
-    """Two callers ask for one grammar, the first with a 1 s deadline, the second with 4 s: the second joins the
+    """Two callers ask for one grammar, the first with a 1 s deadline, the second with 2.5 s: the second joins the
     first's compile, and when that stops at 1 s it compiles again in the time it has left, rather than hear of a
     1 s deadline it never asked for (the grammar takes tens of seconds, so both answers are DEADLINE_EXCEEDED,
     each naming the deadline its caller asked for, from two compiles)."""
@@ -328,7 +328,7 @@ def test_a_caller_that_joined_a_compile_with_a_shorter_deadline_gets_its_own(roo
         first = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=1.0))
         while waiters(roomy) != [1]:
             await asyncio.sleep(0.01)
-        second = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=4.0))
+        second = asyncio.ensure_future(client.compile(fp, spec, timeout_seconds=2.5))
         while waiters(roomy) != [2]:  # joined the compile in flight
             assert not first.done(), first
             await asyncio.sleep(0.01)
@@ -340,7 +340,7 @@ def test_a_caller_that_joined_a_compile_with_a_shorter_deadline_gets_its_own(roo
         assert isinstance(answer, grpc.aio.AioRpcError), answer
         assert answer.code() == grpc.StatusCode.DEADLINE_EXCEEDED, answer.details()
         deadlines.append(float(re.search(r"(?:exceeded|within) its ([0-9.]+) s deadline", answer.details()).group(1)))
-    assert deadlines == [1.0, 4.0], deadlines
+    assert deadlines == [1.0, 2.5], deadlines
     assert "shared with another request" in answers[1].details()
     wait_until(lambda: restarts(roomy, "deadline") == before + 2, "both compiles' workers stopped at their deadlines")
     pool_ready(roomy)

@@ -283,8 +283,7 @@ def test_addresses_that_leave_dns_are_dropped(grammar_server, tokenizer_desc, mo
             await tier.connect(timeout=2.0)
             retired = tier.replica_counts()
             leaving.sessions = 0
-            tier._forget_if_unused(leaving)
-            await tier.connect(timeout=2.0)
+            tier._forget_if_unused(leaving)  # its last session ended: gone
             after = sorted(tier.targets)
             answers["now"] = []
             await tier.connect(timeout=2.0)  # a failed lookup keeps what there is
