@@ -1318,12 +1318,29 @@ def test_a_schema_that_is_not_an_object_is_itself(schema):
     pytest.param({"$schema": "https://json-schema.org/draft/2020-12/schema"}, False, id="2020-12"),
     pytest.param({}, False, id="no-draft-named"),
     pytest.param({"$schema": 7}, False, id="draft-not-a-string"),
+    # The draft is what the output check (jsonschema's validator_for) reads: the exact URL, not a substring of it.
+    pytest.param({"$schema": "http://json-schema.org/draft-07/schema"}, True, id="draft-07-without-fragment"),
+    pytest.param({"$schema": "https://json-schema.org/draft-07/schema#"}, False, id="https-draft-07-is-2020-12"),
+    pytest.param({"$schema": "http://example.com/draft-04-ext"}, False, id="url-containing-draft-04-is-2020-12"),
     # llguidance_schema asks it of a normalised schema, which may be true or false (`{"allOf": [false]}`).
     pytest.param(True, False, id="true"),
     pytest.param(False, False, id="false"),
 ])
 def test_which_schemas_ignore_the_keywords_beside_a_ref(schema, ignored):
     assert ref_siblings_ignored(schema) is ignored
+
+
+@pytest.mark.parametrize("draft, kept", [
+    pytest.param(D4, False, id="draft-04-has-no-const"),
+    pytest.param("http://json-schema.org/draft-04/schema", False, id="draft-04-without-fragment"),
+    # Read as 2020-12 by the output check, which then enforces the const: so does the grammar.
+    pytest.param("https://json-schema.org/draft-04/schema#", True, id="https-draft-04-is-2020-12"),
+    pytest.param("http://example.com/draft-04-ext", True, id="url-containing-draft-04-is-2020-12"),
+])
+def test_a_const_is_dropped_only_in_a_schema_the_output_check_reads_as_draft_4(draft, kept):
+    out = normalise_schema({"$schema": draft, "type": "object", "properties": {"k": {"const": "a"}},
+                            "required": ["k"]})
+    assert ("const" in out["properties"]["k"]) is kept, out
 
 
 def test_the_input_is_not_changed():

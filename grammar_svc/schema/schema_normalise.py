@@ -198,8 +198,26 @@ def normalise_schema(schema: Any, budget: int | None = None) -> Any:
 
 def ref_siblings_ignored(schema: Any) -> bool:
     """Whether `schema` declares a draft in which the keywords beside a `$ref` are ignored."""
+    return schema_draft(schema) in _DRAFTS_IGNORING_REF_SIBLINGS
+
+
+# jsonschema's validator classes by the draft this module names them.
+_DRAFT_OF_VALIDATOR = {"Draft3Validator": "draft-03", "Draft4Validator": "draft-04", "Draft6Validator": "draft-06",
+                       "Draft7Validator": "draft-07", "Draft201909Validator": "2019-09"}
+
+
+def schema_draft(schema: Any) -> str:
+    """The draft `schema` is read in, exactly as the output check reads it (jsonschema's validator_for: a
+    draft's own meta-schema URL, with or without its empty fragment; anything else, e.g. https:// for a draft
+    up to 7, or no `$schema`, is 2020-12). A draft found by a substring of the URL made this module drop
+    keywords the output check then enforced."""
+    from jsonschema import validators
+
     draft = schema.get("$schema") if isinstance(schema, dict) else None
-    return isinstance(draft, str) and any(d in draft for d in _DRAFTS_IGNORING_REF_SIBLINGS)
+    if not isinstance(draft, str):
+        return "2020-12"
+    found = validators.validator_for({"$schema": draft}, default=None)
+    return _DRAFT_OF_VALIDATOR.get(getattr(found, "__name__", ""), "2020-12")
 
 
 def node_budget(schema: Any) -> int:
@@ -255,11 +273,9 @@ class _Normaliser:
     def __init__(self, root: dict, ref_siblings: bool, budget: int):
         self.root = root
         self.ref_siblings = ref_siblings
-        draft = root.get("$schema")
         # 2019-09 split `dependencies` into dependentRequired and dependentSchemas: from there (and in a schema
         # naming no draft up to 7, read as 2020-12) it is no keyword.
-        self.unread = frozenset(k for d, keys in _UNREAD.items() if isinstance(draft, str) and d in draft
-                                for k in keys) | ({"dependencies"} if ref_siblings else set())
+        self.unread = frozenset(_UNREAD.get(schema_draft(root), ())) | ({"dependencies"} if ref_siblings else set())
         # Dropped, not only left unread: a merge would read them (a const beside the other part's enum), and
         # both backends enforce a const (a prefixItems) whatever the draft.
         self.dropped = self.unread & _DROPPED
