@@ -766,6 +766,11 @@ PATTERN_LENGTHS = [
          "unanchored-past-the-fewest-repeats-left"),
     case({"pattern": "^[a-z]+$", "maxLength": float("inf")}, {"pattern": "^[a-z]+$", "maxLength": float("inf")},
          "infinite-max-left"),
+    # Counts past what the regex engines take (xgrammar refused the pattern: "Integer is too large"): left.
+    case({"pattern": "^[a-z]+$", "maxLength": 1e300}, {"pattern": "^[a-z]+$", "maxLength": 1e300}, "huge-max-left"),
+    case({"pattern": "^[a-z]+$", "minLength": 1e20}, {"pattern": "^[a-z]+$", "minLength": 1e20}, "huge-min-left"),
+    case({"pattern": "^[a-z]+$", "maxLength": 2**32 - 2}, {"pattern": f"^[a-z]{{1,{2**32 - 2}}}$"},
+         "largest-count-written"),
     case({"pattern": "^\\d{2,}$", "maxLength": 4}, {"pattern": "^\\d{2,4}$"}, "at-least"),
     case({"pattern": "^.{1,10}$", "minLength": 3, "maxLength": 20}, {"pattern": "^.{3,10}$"}, "range-tightened"),
     case({"pattern": "^.{4,10}$", "minLength": 3, "maxLength": 6}, {"pattern": "^.{4,6}$"}, "range-min-from-pattern"),

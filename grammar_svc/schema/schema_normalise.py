@@ -134,6 +134,9 @@ PER_INPUT_NODE = 4
 # Schemas nested in one another while normalising ($ref targets inlined included), and in the result: well
 # inside Python's recursion limit for every reader after this one (json.dumps, xgrammar, jsonschema).
 MAX_DEPTH = 128
+# The largest repetition count written into a pattern: Python's re takes up to 2**32 - 2 (the output check's
+# engine), xgrammar's EBNF lexer up to 10**15.
+MAX_PATTERN_REPEAT = 2**32 - 2
 
 # Keywords that do not constrain the document (they stay on the node, never go into branches).
 _ANNOTATIONS = frozenset({
@@ -1135,6 +1138,8 @@ def _lengths_into_pattern(node: dict) -> dict:
     hi = q_hi if hi is None else math.floor(hi) if q_hi is None else min(math.floor(hi), q_hi)
     if hi is not None and hi < lo:
         return node  # unsatisfiable: left to xgrammar as written
+    if max(lo, hi or 0) > MAX_PATTERN_REPEAT:
+        return node  # a count no regex engine takes: xgrammar refused the pattern ("Integer is too large")
     out = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
     out["pattern"] = f"^{m['atom']}{{{lo},{'' if hi is None else hi}}}$"
     return out
