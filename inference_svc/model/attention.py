@@ -242,18 +242,14 @@ def paged_attention_forward(
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
     num_kv_heads = key.shape[1]
     groups = num_heads // num_kv_heads
-    cache = ctx.kv_cache
-    k_all, v_all = cache.write_heads_first(module.layer_idx, ctx.slot_mapping, key, value)
+    k_all, v_all = ctx.kv_cache.write_heads_first(module.layer_idx, ctx.slot_mapping, key, value)
     # This runs once per layer of every step, each op a dispatch (and a launch on a GPU): a step that one plan
     # covers whole (all decodes, one prefill) returns that plan's attention as is, with no output tensor to
     # scatter rows into nor query rows to gather (docs/benchmarks.md, "Host work of an eager step"). Every
     # token is in one plan, so a plan alone in the step holds all its tokens.
     kp, d = ctx.kernel, ctx.decodes
     if kp is not None and kp.whole_step:
-        return paged_attention(
-            query[0].transpose(0, 1), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
-            cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
-            splits=kp.splits, buffers=kp.buffers)[None], None
+        return _kernel_attention(query[0].transpose(0, 1), k_all, v_all, ctx, kp, scaling)[None], None
     if d is not None and d.whole_step:
         od = _decode_attention(query.transpose(1, 2), k_all, v_all, d, num_kv_heads, scaling)
         return od.reshape(1, num_tokens, num_heads, head_dim), None
@@ -263,16 +259,22 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = query.new_empty(num_tokens, num_heads, head_dim)
     if kp is not None:
-        out[kp.token_index] = paged_attention(
-            q.index_select(0, kp.token_index), k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
-            cache.spec.block_size, scaling if scaling is not None else head_dim**-0.5, longest=kp.longest,
-            splits=kp.splits, buffers=kp.buffers)
+        out[kp.token_index] = _kernel_attention(q.index_select(0, kp.token_index), k_all, v_all, ctx, kp, scaling)
     if d is not None:
         od = _decode_attention(q.index_select(0, d.token_index), k_all, v_all, d, num_kv_heads, scaling)
         out[d.token_index] = od.reshape(-1, num_heads, head_dim)
     for c in ctx.chunks:
         out[c.q_start : c.q_end] = _chunk_attention(query, key, value, k_all, v_all, c, groups, scaling)[0]
     return out[None], None
+
+
+def _kernel_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, ctx: PagedAttentionContext,
+                      kp: KernelPlan, scaling: float | None) -> torch.Tensor:
+    """[K, H, D] Triton's paged attention of the kernel plan's K queries (q: their rows in order)."""
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    return paged_attention(q, k_all, v_all, ctx.block_tables, kp.seq_index, kp.positions,
+                           ctx.kv_cache.spec.block_size, scale, longest=kp.longest, splits=kp.splits,
+                           buffers=kp.buffers)
 
 
 def _decode_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, d: DecodeGroup,
