@@ -28,10 +28,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from shared.client_identity import AllowedClients
 from shared.grpc_options import SERVER_OPTIONS
+from shared.metrics_http import MetricsHttp
 from shared.tls import ServerTls, server_credentials
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,8 @@ class ServiceHost:
 
     def serve_metrics(self, host: str, port: int, registry: CollectorRegistry) -> None:
         """Starts the /metrics endpoint (port 0 in the config disables it: do not call)."""
-        self._metrics_http, _ = start_http_server(port, addr=host, registry=registry)
-        self.metrics_port = self._metrics_http.server_port
+        self._metrics_http = MetricsHttp(host, port, registry)
+        self.metrics_port = self._metrics_http.port
 
     async def start(self) -> None:
         await self.set_serving(False)
@@ -110,8 +111,7 @@ class ServiceHost:
 
     def close_metrics(self) -> None:
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.close()
             self._metrics_http = None
 
 

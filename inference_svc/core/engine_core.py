@@ -27,14 +27,13 @@ import signal
 import socket
 import sys
 
-from prometheus_client import start_http_server
-
 from inference_svc.core import core_protocol as p
 from inference_svc.core.assembly import GIL_SWITCH_INTERVAL_SECONDS, EngineAssembly
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.engine.request import GenerationRequest, Output
 from shared import errors
 from shared.entry import setup_logging
+from shared.metrics_http import MetricsHttp
 from shared.status import error_for_code, status_for
 
 log = logging.getLogger(__name__)
@@ -182,8 +181,8 @@ async def serve(sock: socket.socket) -> int:
     try:
         metrics_port = 0
         if config.metrics_port:
-            metrics_http, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
-            metrics_port = metrics_http.server_port
+            metrics_http = MetricsHttp(config.host, config.metrics_port, metrics.registry)
+            metrics_port = metrics_http.port
         served = await core.stack.build()
         await core.stack.connect(grammar_connect_timeout_seconds)
         core.stack.start()
@@ -210,7 +209,7 @@ async def serve(sock: socket.socket) -> int:
     except ConnectionError:  # the API server's end is already gone: nothing left to tell it
         pass
     if metrics_http is not None:
-        metrics_http.shutdown()
+        metrics_http.close()
     return core.exit_code
 
 
