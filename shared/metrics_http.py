@@ -2,9 +2,9 @@
 on a thread, which a stop closes at once.
 
 prometheus_client's own `start_http_server` runs `serve_forever()` with the
-default half-second poll, so every drain and every restart of a service
-waited up to half a second on its metrics thread noticing the shutdown;
-this loop polls every 50 ms (an idle wake-up costs microseconds).
+default poll of socketserver, so every drain and every restart of a service
+waited up to that long on its metrics thread noticing the shutdown; this
+loop polls every POLL_SECONDS (an idle wake-up costs next to nothing).
 """
 
 from __future__ import annotations
