@@ -382,6 +382,10 @@ KINDS = [
                                                                "b": {"type": "integer"}}, "required": ["b"]}),
                  ['{"b":1}'], ['{"a":"x","b":1}', '{"a":1,"b":1}', '{"b":1,"a":1}'],
                  id="json-schema-unsatisfiable-optional-property"),
+    # The same through a `$ref` (it was a `$ref` to a `false` definition, which xgrammar refused: the whole schema).
+    pytest.param(json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/bad"}, "b": {"type": "integer"}},
+                              "required": ["b"], "$defs": {"bad": {"type": "integer", "minimum": 5, "maximum": 2}}}),
+                 ['{"b":1}'], ['{"a":3,"b":1}', '{"b":1,"a":3}'], id="json-schema-unsatisfiable-optional-property-ref"),
     pytest.param(json_schema({"type": "array", "items": {"type": "integer", "const": "a"}}), ["[]"],
                  ['["a"]', "[1]"], id="json-schema-unsatisfiable-items"),
     pytest.param(json_schema({"anyOf": [{"type": "string", "enum": [1]}, {"type": "integer"}]}), ["5"],
@@ -482,6 +486,11 @@ BAD_SPECS = [
                               "required": ["n"]}),
                  "at the root, its required property 'n' accepts no value; at /properties/n, its minimum 5 is greater "
                  "than its maximum 2", id="required-property-of-contradictory-bounds"),
+    pytest.param(json_schema({"type": "object", "properties": {"n": {"$ref": "#/$defs/bad"}}, "required": ["n"],
+                              "$defs": {"bad": {"type": "integer", "minimum": 5, "maximum": 2}}}),
+                 "at the root, its required property 'n' accepts no value; at /properties/n, its $ref '#/$defs/bad' "
+                 "accepts no value; at /properties/n/#/$defs/bad, its minimum 5 is greater than its maximum 2",
+                 id="required-property-through-a-ref"),
     pytest.param(json_schema(OBJ, whitespace=pb.WHITESPACE_STYLE_INDENTED, indent=99), "indent", id="indent-too-large"),
     pytest.param(json_schema(OBJ, whitespace=99), "whitespace style", id="unknown-whitespace-style"),
     pytest.param(pb.GrammarSpec(regex="[a-"), "Regex parsing error", id="bad-regex"),

@@ -463,6 +463,77 @@ REFS = [
          {"definitions": {"t": True}, "anyOf": [{"type": "string"}, {"type": "null"}]}, "ref-to-true-beside-an-any-of"),
 ]
 
+# A `$ref` whose target normalises to `false` is an inline `false` (it stayed a `$ref` to a `false` definition, which
+# xgrammar refuses: the whole schema, where `a` is optional and `{}` valid).
+BAD = {"type": "integer", "minimum": 5, "maximum": 2}
+REF_BAD = {"$ref": "#/$defs/bad"}
+REFS_FALSE = [
+    case({"type": "object", "properties": {"a": REF_BAD}, "$defs": {"bad": BAD}},
+         {"type": "object", "properties": {"a": False}, "$defs": {"bad": False}}, "optional-property"),
+    case({"$defs": {"bad": BAD}, "type": "object", "properties": {"a": REF_BAD}},
+         {"$defs": {"bad": False}, "type": "object", "properties": {"a": False}}, "optional-property-defs-first"),
+    # On a closed object it is unlisted (forbidden all the same); the others stay listed, closed.
+    case({"type": "object", "properties": {"a": REF_BAD, "b": {"type": "string"}}, "additionalProperties": False,
+          "$defs": {"bad": BAD}},
+         {"type": "object", "properties": {"b": {"type": "string"}}, "additionalProperties": False,
+          "$defs": {"bad": False}}, "optional-property-of-a-closed-object"),
+    case({"type": "array", "items": REF_BAD, "$defs": {"bad": BAD}},
+         {"type": "array", "items": False, "$defs": {"bad": False}}, "items-of-an-array-that-may-be-empty"),
+    case({"anyOf": [REF_BAD, {"type": "null"}], "$defs": {"bad": BAD}},
+         {"anyOf": [{"type": "null"}], "$defs": {"bad": False}}, "any-of-branch-dropped"),
+    case({"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "$defs": {"a": REF_BAD, "bad": BAD}},
+         {"type": "object", "properties": {"a": False}, "$defs": {"a": False, "bad": False}}, "ref-to-a-ref"),
+    case({"type": "object", "properties": {"a": {"$ref": "#/$defs/f"}}, "$defs": {"f": False}},
+         {"type": "object", "properties": {"a": False}, "$defs": {"f": False}}, "ref-to-false"),
+    # A definition that is `false` for a required property of its own, reached through two `$ref`s.
+    case({"type": "object", "properties": {"o": {"$ref": "#/$defs/o"}},
+          "$defs": {"o": {"type": "object", "properties": {"n": REF_BAD}, "required": ["n"]}, "bad": BAD}},
+         {"type": "object", "properties": {"o": False}, "$defs": {"o": False, "bad": False}}, "through-a-required-one"),
+    # Up to draft 7 the `$ref` replaces its node; from 2019-09 its siblings apply: `false` either way.
+    *(case({"$schema": draft, "type": "object", "properties": {"a": {"$ref": "#/definitions/bad", "type": "integer"}},
+            "definitions": {"bad": BAD}},
+           {"$schema": draft, "type": "object", "properties": {"a": False}, "definitions": {"bad": False}},
+           f"beside-siblings-{name}")
+      for name, draft in (("draft-7", D7), ("2020-12", "https://json-schema.org/draft/2020-12/schema"))),
+    case({"type": "object", "properties": {"a": {"$ref": "#/$defs/a%25"}}, "$defs": {"a%25": {}, "a%": BAD}},
+         {"type": "object", "properties": {"a": False}, "$defs": {"a%25": {}, "a%": False}},
+         "percent-decoded-as-the-output-check-reads-it"),
+    # Where it is not known to be `false`, the `$ref` stays.
+    case({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}},
+         {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}, "ref-to-nothing-left"),
+    case({"type": "object", "properties": {"a": {"$ref": "https://example.com/bad.json"}}},
+         {"type": "object", "properties": {"a": {"$ref": "https://example.com/bad.json"}}}, "remote-ref-left"),
+    case({"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+          "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}},
+         {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+          "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}}, "cycle-left"),
+    # Inside a resource with its own `$id`, `#/$defs/bad` is that resource's (a string here): the root's namesake
+    # is not looked up, nor inlined in an allOf (it was: a string where the output check reads an integer).
+    case({"$defs": {"bad": BAD}, "type": "object",
+          "properties": {"p": {"$id": "https://example.com/p", "$defs": {"bad": {"type": "string"}},
+                               "properties": {"a": REF_BAD}}}},
+         {"$defs": {"bad": False}, "type": "object",
+          "properties": {"p": {"$id": "https://example.com/p", "$defs": {"bad": {"type": "string"}},
+                               "properties": {"a": REF_BAD}}}}, "another-resource-s-ref-left"),
+    case({"$defs": {"s": {"type": "string"}},
+          "properties": {"p": {"$id": "https://example.com/p", "$defs": {"s": {"type": "integer"}},
+                               "allOf": [{"$ref": "#/$defs/s"}]}}},
+         {"$defs": {"s": {"type": "string"}},
+          "properties": {"p": {"$id": "https://example.com/p", "$defs": {"s": {"type": "integer"}},
+                               "allOf": [{"$ref": "#/$defs/s"}]}}}, "another-resource-s-ref-not-inlined"),
+    case({"$schema": D4, "definitions": {"s": {"type": "string"}},
+          "properties": {"p": {"id": "http://example.com/p", "definitions": {"s": {"type": "integer"}},
+                               "allOf": [{"$ref": "#/definitions/s"}]}}},
+         {"$schema": D4, "definitions": {"s": {"type": "string"}},
+          "properties": {"p": {"id": "http://example.com/p", "definitions": {"s": {"type": "integer"}},
+                               "allOf": [{"$ref": "#/definitions/s"}]}}}, "draft-4-id-not-inlined"),
+    # A plain-name `$id` changes no base, nor does a property named `$id` or an `$id` in data.
+    case({"$defs": {"s": {"type": "string"}, "t": {"$id": "#t"}},
+          "properties": {"$id": {"const": {"$id": "x"}}, "p": {"allOf": [{"$ref": "#/$defs/s"}]}}},
+         {"$defs": {"s": {"type": "string"}, "t": {"$id": "#t"}},
+          "properties": {"$id": {"const": {"$id": "x"}}, "p": {"type": "string"}}}, "no-other-resource-inlined"),
+]
+
 DISTRIBUTE = [
     case({"prefixItems": [True], "oneOf": [{"items": False}, {"type": "string"}]},
          {"prefixItems": [True], "oneOf": [{"items": False}, {"type": "string"}]},
@@ -1201,7 +1272,7 @@ SUBSCHEMAS = [
       for k in ANNOTATIONS),
 ]
 REWRITES = {"all-of": ALL_OF + TYPES + BOUNDS + KEYWORDS + FIRST_STAYS, "additional-properties": ADDITIONAL_PROPERTIES,
-            "ref": REFS, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
+            "ref": REFS, "ref-false": REFS_FALSE, "distribute": DISTRIBUTE, "not-type": NOT_TYPE, "required": REQUIRED,
             "pattern-lengths": PATTERN_LENGTHS, "enum-types": ENUM_TYPES, "subschemas": SUBSCHEMAS,
             "if-then-cases": IF_THEN_CASES, "false-properties": FALSE_PROPERTIES, "one-of-told-apart": ONE_OF_TOLD_APART,
             "unsatisfiable": UNSATISFIABLE, "strings": STRINGS, "numbers": NUMBERS, "arrays": ARRAYS,
@@ -1547,7 +1618,8 @@ UNSATISFIABLE_REFUSED = [
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, a property one part requires the other forbids"), id="all-of-listed-forbidden"),
     pytest.param({"$defs": {"f": False}, "allOf": [{"$ref": "#/$defs/f"}]},
-                 refusal("at the root, its allOf parts have no value in common"), id="all-of-a-false-part"),
+                 refusal("at the root, its allOf parts have no value in common",
+                         "at /allOf/0, its $ref '#/$defs/f' accepts no value"), id="all-of-a-false-part"),
     pytest.param({"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"],
                   "if": {"properties": {"k": {"const": "a"}}}, "then": {"properties": {"k": {"const": "b"}}}},
                  refusal("at the root, no case of its if/then accepts a value",
@@ -1559,7 +1631,34 @@ UNSATISFIABLE_REFUSED = [
     pytest.param({"anyOf": [{"enum": []}, False]}, refusal("at the root, every branch of its anyOf accepts no value",
                                                            "at /anyOf/0, its enum lists no value"), id="any-of-first"),
     pytest.param({"properties": {"a": {"enum": []}}, "$defs": {"f": False}, "allOf": [{"$ref": "#/$defs/f"}]},
-                 refusal("at the root, its allOf parts have no value in common"), id="an-earlier-note-not-named"),
+                 refusal("at the root, its allOf parts have no value in common",
+                         "at /allOf/0, its $ref '#/$defs/f' accepts no value"), id="an-earlier-note-not-named"),
+    # Through a `$ref`: the place of the `$ref`, then its target's, where the walk reached it first (its own place)
+    # or through the `$ref` (the `$ref`'s place, then the pointer).
+    pytest.param({"$defs": {"bad": BAD}, "type": "object", "properties": {"a": REF_BAD}, "required": ["a"]},
+                 refusal("at the root, its required property 'a' accepts no value",
+                         "at /properties/a, its $ref '#/$defs/bad' accepts no value",
+                         "at /$defs/bad, its minimum 5 is greater than its maximum 2"), id="required-through-a-ref"),
+    pytest.param({"type": "object", "properties": {"a": REF_BAD}, "required": ["a"], "$defs": {"bad": BAD}},
+                 refusal("at the root, its required property 'a' accepts no value",
+                         "at /properties/a, its $ref '#/$defs/bad' accepts no value",
+                         "at /properties/a/#/$defs/bad, its minimum 5 is greater than its maximum 2"),
+                 id="required-through-a-ref-defs-last"),
+    pytest.param({"$ref": "#/$defs/bad", "$defs": {"bad": BAD}},
+                 refusal("at the root, its $ref '#/$defs/bad' accepts no value",
+                         "at /$defs/bad, its minimum 5 is greater than its maximum 2"), id="root-a-ref"),
+    pytest.param({"$schema": D7, "$ref": "#/definitions/bad", "type": "string", "definitions": {"bad": BAD}},
+                 refusal("at the root, its $ref '#/definitions/bad' accepts no value",
+                         "at /definitions/bad, its minimum 5 is greater than its maximum 2"),
+                 id="root-a-ref-whose-siblings-are-ignored"),
+    pytest.param({"type": "array", "items": REF_BAD, "minItems": 1, "$defs": {"bad": BAD}},
+                 refusal("at the root, its items accept no value and its minItems is 1",
+                         "at /items, its $ref '#/$defs/bad' accepts no value",
+                         "at /items/#/$defs/bad, its minimum 5 is greater than its maximum 2"),
+                 id="items-through-a-ref"),
+    pytest.param({"type": "object", "properties": {"a": {"$ref": "#/$defs/f"}}, "required": ["a"], "$defs": {"f": False}},
+                 refusal("at the root, its required property 'a' accepts no value",
+                         "at /properties/a, its $ref '#/$defs/f' accepts no value"), id="required-ref-to-false"),
     pytest.param({"allOf": [{"type": "string"}, {"allOf": [{"const": 1}, {"const": 2}]}]},
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, its allOf parts have no value in common",
@@ -1579,3 +1678,20 @@ def test_a_false_part_inside_is_not_a_refusal():
     # satisfies.
     assert normalise_schema({"$defs": {"f": {"allOf": [False]}}, "anyOf": [{"enum": []}, {"type": "null"}]}) == \
         {"$defs": {"f": False}, "anyOf": [{"type": "null"}]}
+
+
+def ref_chain(levels: int) -> dict:
+    """`levels` definitions each with an optional property `x` that is a `$ref` to the next; the last one's bounds
+    leave no value."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(levels)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{levels}": BAD}}
+
+
+def test_a_ref_looked_at_past_the_depth_limit_stays():
+    # Looking at d0's target follows the chain past MAX_DEPTH: the `$ref` there stays as written (as before), and
+    # the schema, which normalises within the limit where each definition is written, is not refused.
+    levels = MAX_DEPTH
+    out = normalise_schema(ref_chain(levels))
+    assert out["$defs"][f"d{levels}"] is False
+    assert out["$defs"][f"d{levels - 1}"]["properties"]["x"] is False  # its target was walked first
+    assert out["$defs"]["d0"]["properties"]["x"] == {"$ref": "#/$defs/d1"}

@@ -22,10 +22,17 @@ meaning:
   array node (`type: "array"`) whose `items` are `false` with `minItems` of
   1 or more, or whose prefix item i is `false` with `minItems` past i (the
   prefix of the schema's draft: `prefixItems` from 2020-12, an `items` array
-  before).
+  before); a node whose local `$ref`'s target normalises to `false` (in any
+  draft: up to 7 the `$ref` replaces the node, after it the siblings only
+  narrow it), so a `$ref` to a definition no value satisfies is handled as
+  an inline `false` (xgrammar refuses a `$ref` to `false`, which made it
+  refuse the whole schema where the property was optional). A target is
+  normalised where the walk writes it, or where a `$ref` reaches it first;
+  one that is not known (remote, plain-name or pointing nowhere, in a cycle,
+  looked at past MAX_DEPTH) leaves the `$ref` as written.
   `anyOf`/`oneOf` branches that are `false` are dropped (none left: the node
   is `false`). A schema that is `false` as a whole is refused
-  (InvalidGrammarError naming where and why);
+  (InvalidGrammarError naming where and why, through each `$ref`);
 - a type whose values the node's own bounds leave none of goes from its
   `type` (an untyped node: every other type), the keywords only that type
   reads with it; none left, the node is `false`. Those bounds:
@@ -102,9 +109,14 @@ a literal (`^x-` is one; `^x-+` is not) leaves the other part's names alone,
 as if the pattern matched them: running a schema's own regexes here could
 stall the service on one hostile pattern.
 
-Where the schema names a draft up to 7, a node with a `$ref` is left as it is:
-the `$ref` replaces it, the keywords beside it constrain nothing (nor make it
-`false`). Two `allOf` parts' `contains` are not merged (an array may hold an
+Where the schema names a draft up to 7, a node with a `$ref` is left as it is
+(`false` where its target is): the `$ref` replaces it, the keywords beside it
+constrain nothing (nor make it `false`). A `$ref` is read as the output check
+reads it, a JSON pointer from the root once its fragment is percent-decoded;
+in a schema with an embedded resource (a subschema with an `$id`, `id` up to
+draft 4, that is not a plain name), where a `$ref` may resolve against that
+resource instead, no `$ref` is looked up (none inlined, none found `false`).
+Two `allOf` parts' `contains` are not merged (an array may hold an
 item for each and none for both), and a part's `minContains`/`maxContains`
 count only its own `contains`' items: without one they are dropped.
 
@@ -124,6 +136,7 @@ import math
 import re
 from fractions import Fraction
 from typing import Any
+from urllib.parse import unquote
 
 from shared.errors import InvalidGrammarError, RequestTooLargeError
 
@@ -179,6 +192,11 @@ class _CannotMerge(Exception):
 class _Unsatisfiable(_CannotMerge):
     """Two schemas no value satisfies both of: their conjunction is `false` (a _CannotMerge where the caller
     cannot write `false` in its place)."""
+
+
+class _ProbeTooDeep(Exception):
+    """A `$ref` target normalised only to learn whether it is `false` nests past MAX_DEPTH where it was reached:
+    the `$ref` stays (as written), where a refusal would refuse a schema that normalises fine without the look."""
 
 
 def normalise_schema(schema: Any, budget: int | None = None) -> Any:
@@ -286,7 +304,17 @@ class _Normaliser:
         self._produced = 0
         self._path: list[str] = []  # keywords (and names, indices) from the root to the node being worked on
         self._targets: dict[str, Any] = {}  # normalised $ref targets
+        self._probe_targets: dict[str, Any] = {}  # those normalised inside a look (_ref_false)
+        self._walked: dict[str, bool] = {}  # "#" + path -> whether the walk made the node there `false`
+        self._target_notes: dict[str, str] = {}  # ref -> why its target became `false`
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
+        # A `$ref` inside a resource with its own `$id` resolves against that resource, not against the root,
+        # which is all _pointer reads: in such a schema no `$ref` is looked up (inlining the root's namesake
+        # wrote another schema than the output check reads).
+        self._refs_looked_up = not _embedded_base(root, schema_draft(root))
+        self._probing = 0  # nested $ref looks (_ref_false) under way
+        self._in_target = 0  # targets being normalised where a `$ref` reached them (paths not the schema's own)
+        self._unprobed: set[str] = set()  # refs whose look ran past MAX_DEPTH: left as written
         self.notes: dict[str, str] = {}  # path -> why the node there became `false` (the root's: always noted)
 
     def _here(self, *more: str) -> str:
@@ -306,8 +334,13 @@ class _Normaliser:
 
     def _enter(self, part: str) -> None:
         if len(self._path) >= MAX_DEPTH:
-            raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
+            self._too_deep()
         self._path.append(part)
+
+    def _too_deep(self) -> None:
+        if self._probing:
+            raise _ProbeTooDeep
+        raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
 
     def _copy(self, value: Any, depth: int = 0) -> Any:
         """A deep copy, counted against the budget."""
@@ -315,7 +348,7 @@ class _Normaliser:
             return value
         self._spend()
         if depth > MAX_DEPTH:
-            raise _too_large(f"normalising it nests deeper than {MAX_DEPTH} levels", self._path)
+            self._too_deep()
         if isinstance(value, dict):
             return {k: self._copy(v, depth + 1) for k, v in value.items()}
         return [self._copy(v, depth + 1) for v in value]
@@ -328,6 +361,11 @@ class _Normaliser:
 
     def _shape(self, out: dict) -> Any:
         """One node (its children already normalised) in shapes xgrammar compiles right."""
+        if "$ref" in out and self._ref_false(out["$ref"]):
+            # Nothing satisfies its target, so nothing satisfies it (whatever sits beside it, in any draft): an
+            # inline `false` (xgrammar refuses a `$ref` to `false`, so the whole schema, where the parent could
+            # have done without it: an optional property, an anyOf branch, items of an array that may be empty).
+            return self._false(f"its $ref {out['$ref']!r} accepts no value", self._target_notes.get(out["$ref"], ""))
         if "$ref" in out and not self.ref_siblings:
             return out  # the `$ref` replaces it: the keywords beside it neither constrain nor make it `false`
         if "if" not in self.unread and (isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out):
@@ -401,7 +439,11 @@ class _Normaliser:
         for part in path:
             self._enter(part.replace("~", "~0").replace("/", "~1"))
         try:
-            return self.node(schema)
+            out = self.node(schema)
+            if not self._in_target:
+                # Normalised where it is written (nothing being expanded): what a `$ref` to here asks
+                self._walked["#" + self._here()] = out is False
+            return out
         finally:
             del self._path[len(self._path) - len(path):]
 
@@ -481,21 +523,59 @@ class _Normaliser:
         if not isinstance(schema, dict) or "$ref" not in schema:
             return schema
         ref = schema["$ref"]
-        if not isinstance(ref, str) or not ref.startswith("#") or ref in seen or ref in self._expanding:
-            raise _CannotMerge(f"$ref {ref!r}")  # remote, or a cycle: not inlined
-        if ref not in self._targets:
-            self._expanding.add(ref)
-            self._enter(ref)
-            try:
-                self._targets[ref] = self.node(_pointer(self.root, ref))
-            finally:
-                self._expanding.discard(ref)
-                self._path.pop()
-        target = self._resolved(self._copy(self._targets[ref]), seen + (ref,))
+        if not isinstance(ref, str) or not ref.startswith("#") or ref in seen or ref in self._expanding or \
+                not self._refs_looked_up:
+            raise _CannotMerge(f"$ref {ref!r}")  # remote, a cycle, or another resource's: not inlined
+        target = self._resolved(self._copy(self._target(ref)), seen + (ref,))
         if not self.ref_siblings:
             return target
         rest = {k: v for k, v in schema.items() if k != "$ref"}
         return self.merge(self._copy(target), rest) if rest else target
+
+    def _target(self, ref: str) -> Any:
+        """The normalised target of local `ref`, normalised once (where it is first reached: the path names it
+        through the `$ref`); _CannotMerge where it points nowhere. A look (_ref_false) keeps its own: a target
+        normalised inside one may have `$ref`s to those being expanded left as written, which _resolved would
+        have inlined where it reached them."""
+        targets = self._probe_targets if self._probing else self._targets
+        if ref not in targets:
+            self._expanding.add(ref)
+            self._enter(ref)
+            self._in_target += 1
+            try:
+                target = self.node(_pointer(self.root, ref))
+                if target is False:
+                    self._target_notes[ref] = self.notes.get(self._here(), "")
+                targets[ref] = target
+            finally:
+                self._expanding.discard(ref)
+                self._in_target -= 1
+                self._path.pop()
+        return targets[ref]
+
+    def _ref_false(self, ref: Any) -> bool:
+        """Whether local `ref`'s target normalises to `false` (False where that is not known: a remote or
+        plain-name ref, one pointing nowhere, a cycle, another resource's, a look past MAX_DEPTH)."""
+        if not isinstance(ref, str) or not ref.startswith("#") or ref in self._expanding or ref in self._unprobed \
+                or not self._refs_looked_up:
+            return False
+        at = _fragment(ref)
+        if at in self._walked:  # (its note, if any, is where the walk made it `false`)
+            self._target_notes.setdefault(ref, self.notes.get(at[1:] or "/", ""))
+            return self._walked[at]
+        for targets in (self._targets, self._probe_targets):
+            if ref in targets:
+                return targets[ref] is False
+        self._probing += 1
+        try:
+            return self._target(ref) is False
+        except _CannotMerge:
+            return False  # it points nowhere (or past a scalar): the output check's error, not a `false`
+        except _ProbeTooDeep:
+            self._unprobed.add(ref)  # reached this deep, it is not looked at again
+            return False
+        finally:
+            self._probing -= 1
 
     # ------------------------------------------------------------------ merge
 
@@ -1150,7 +1230,41 @@ def _least_repeats(m: re.Match) -> int:
     return 1 if m["q"] == "+" else 0 if m["q"] == "*" else int(m["lo"])
 
 
+# Keywords whose values are data, not schemas: an `$id` in them is a value.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _embedded_base(root: dict, draft: str) -> bool:
+    """Whether a schema below `root` has an id of its own that changes the base `$ref`s resolve against (`id` up
+    to draft 4, `$id` after; a plain-name fragment `#a` changes none). Every object but data is looked at, names
+    in a map of schemas excepted: never a base missed (the price: a stray `$id` leaves the `$ref`s as written)."""
+    key = "id" if draft in ("draft-03", "draft-04") else "$id"
+    stack: list[tuple[Any, bool]] = [(v, k in _SUBSCHEMA_MAPS or k == "dependencies")
+                                     for k, v in root.items() if k not in _DATA_KEYWORDS]
+    while stack:
+        value, names = stack.pop()
+        if isinstance(value, list):
+            stack.extend((v, False) for v in value)
+        elif isinstance(value, dict):
+            if names:
+                stack.extend((v, False) for v in value.values())
+                continue
+            base = value.get(key)
+            if isinstance(base, str) and not base.startswith("#"):
+                return True
+            stack.extend((v, k in _SUBSCHEMA_MAPS or k == "dependencies") for k, v in value.items()
+                         if k not in _DATA_KEYWORDS)
+    return False
+
+
+def _fragment(ref: str) -> str:
+    """`ref` (a local one) as the JSON pointer it names: a URI fragment, percent-decoded before it is split at
+    `/`, as the output check (jsonschema's referencing) reads it (`%25` is `%`, not the name `a%25`)."""
+    return "#" + unquote(ref[1:])
+
+
 def _pointer(root: dict, ref: str) -> Any:
+    ref = _fragment(ref)
     if ref != "#" and not ref.startswith("#/"):
         raise _CannotMerge(f"$ref {ref!r} is a plain-name fragment")  # an $anchor's or an $id's: not looked up
     node: Any = root
