@@ -284,6 +284,11 @@ NO_VALUE = {"type": "string", "enum": [1]}  # normalised to `false`
     pytest.param({"type": "object", "properties": {"a": NO_VALUE, "b": {}}}, {"b": {}}, id="unlisted"),
     pytest.param({"properties": {"a": NO_VALUE, "b": {}}, "required": "a"}, {"b": {}},
                  id="required-not-a-list-unlisted"),
+    # Through a `$ref` to a definition no value satisfies (it stayed a `$ref` to `false`: xgrammar refused the schema).
+    pytest.param({"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}, "b": {}}, "$defs": {"n": NO_VALUE}},
+                 {"b": {}}, id="through-a-ref-unlisted"),
+    pytest.param({"properties": {"a": {"$ref": "#/$defs/n"}}, "additionalProperties": {}, "$defs": {"n": NO_VALUE}},
+                 {"a": False}, id="through-a-ref-beside-additionalProperties-kept"),
     # (An untyped node requiring a `false` property admits every type but object: a type name JSON does not
     # have keeps it as written.)
     pytest.param({"type": ["object", "strin"], "properties": {"a": NO_VALUE, "b": {}}, "required": ["a"]},
