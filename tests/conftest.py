@@ -18,10 +18,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+# Each pytest-xdist worker gets its share of the cores for OpenMP (torch's intra-op threads, numpy's BLAS):
+# with as many threads as cores in every worker, the threads of one spin at barriers on cores the other worker
+# needs. Read by those libraries when they load, so set before anything imports them (in the workers only:
+# the controller runs no test, and its environment is theirs).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-from grammar_svc.config import GrammarServiceConfig
-from structd.bench.harness import ServiceThread
+import pytest  # noqa: E402
+
+from grammar_svc.config import GrammarServiceConfig  # noqa: E402
+from structd.bench.harness import ServiceThread  # noqa: E402
 
 # Every gateway a test starts is checked against the openai SDK's types (issue 27, item 7); under xdist the
 # longest files start first (tests/scheduling.py).
