@@ -94,7 +94,8 @@ def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(replicas, 
     """Issue 24, item 11: a replica frozen by SIGSTOP (its socket still accepts bytes, nothing answers) holds a
     Compile only until the compile deadline plus COMPILE_RPC_MARGIN_SECONDS: the compile moves to the other
     replica and the request is served; with both frozen the request fails UNAVAILABLE, naming the hung replica
-    and the deadline, and nothing is left compiling in the engine."""
+    and the deadline, without trying the first again, then compiles are refused at once until a replica answers
+    the maintenance task; nothing is left compiling in the engine."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
     from inference_svc.grammar import grammar_tier
     from shared.inference_client import InferenceError
@@ -120,6 +121,14 @@ def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(replicas, 
             os.kill(second.proc.pid, signal.SIGSTOP)
             with pytest.raises(InferenceError) as failed:
                 client.complete("two", regex="[a-z]{4}", max_tokens=8, timeout=120)
+            # The first replica, hung since the first request, is not tried again on the way (registering the
+            # tokenizer there would wait out another deadline): the answer names the second.
+            assert second.target in failed.value.message and first.target not in failed.value.message
+            # Until the maintenance task hears from one of them, a compile is refused at once.
+            with pytest.raises(InferenceError) as refused:
+                client.complete("three", regex="[a-z]{5}", max_tokens=8, timeout=120)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "no grammar replica is available" in refused.value.message
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
         assert "did not answer the compile within" in failed.value.message
         assert f"{1.0 + grammar_tier.COMPILE_RPC_MARGIN_SECONDS:g} s" in failed.value.message

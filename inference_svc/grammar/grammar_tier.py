@@ -143,6 +143,9 @@ class _Replica:
     stream: StepStream | None = None
     sessions: int = 0
     registered: bool = False
+    # It did not answer a compile (or the tokenizer) in time: no compile is tried there, not even to register it
+    # again on the way (that would wait out another deadline), until maintain() has registered it again.
+    hung: bool = False
     retired: bool = False  # its address left DNS: no new sessions; gone once its sessions are
     pending_closes: list[int] = field(default_factory=list)
     # What it answered to Compile: constraint -> (grammar id, warnings).
@@ -426,7 +429,7 @@ class GrammarTier:
                 return
             try:
                 await r.client.register_tokenizer(self.tokenizer, timeout=timeout)
-                r.registered = True
+                r.registered, r.hung = True, False
             except grpc.aio.AioRpcError as e:  # the replica's: it stays down until it answers
                 log.debug("grammar replica %s not reachable: %s", r.client.target, e.details())
 
@@ -437,9 +440,9 @@ class GrammarTier:
         return next(self._session_ids)
 
     def _pick(self, exclude: set[int]) -> _Replica | None:
-        """The live replica with the fewest sessions (compiles in flight included); ties go to the one
-        added first, so placement is deterministic."""
-        live = [r for r in self._replicas.values() if not r.retired and r.id not in exclude]
+        """The live replica (not retired, not hung) with the fewest sessions (compiles in flight included),
+        a registered one where there is one; ties go to the one added first, so placement is deterministic."""
+        live = [r for r in self._replicas.values() if not r.retired and not r.hung and r.id not in exclude]
         candidates = [r for r in live if r.registered] or live
         return min(candidates, key=lambda r: (r.sessions, r.id)) if candidates else None
 
@@ -493,6 +496,7 @@ class GrammarTier:
             except TimeoutError:
                 # Hung (SIGSTOPped, its event loop wedged): new compiles avoid it until it answers maintain().
                 r.unregister()
+                r.hung = True
                 lost += 1
                 seconds = self.compile_rpc_seconds
                 if lost >= 2 or self._pick(tried) is None:
@@ -682,8 +686,10 @@ class GrammarTier:
         r = self._replicas.get(replica)
         if r is None:
             return errors.UnavailableError(f"grammar replica lost: {detail}")
-        # New compiles avoid it until maintain() has handed it the tokenizer again.
+        # New compiles avoid it until maintain() has handed it the tokenizer again; one silent past the step
+        # deadline is hung, and gets none at all until then (see _Replica.hung).
         r.unregister()
+        r.hung = r.hung or isinstance(cause, TimeoutError)
         if r.stream is not None:
             r.stream.cancel()
             r.stream = None
