@@ -24,6 +24,18 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 1),
+    # A peer that went away (a replica restarting, a service draining) is dialled again at most a second
+    # apart: gRPC's default backoff grows to two minutes, so a grammar replica back on its port after a
+    # restart went unused for as long as the channel's backoff had grown while it was down.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+)
+
+# A readiness poll's channel (structd up, the benchmarks' and tests' starts): dialled again at every poll, so
+# a service is seen serving within a poll of its port opening, not when the backoff next fires.
+POLL_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
 )
 
 # gRPC makes at most five attempts of a call, whatever a retry policy asks; retries are the attempts after the first.

@@ -40,6 +40,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.grpc_options import POLL_CHANNEL_OPTIONS
 from shared.tls import ClientTls, sync_channel
 
 STARTUP_TIMEOUT_SECONDS = 600.0
@@ -48,7 +49,8 @@ MAX_BACKOFF_SECONDS = 30.0
 # A child that stayed up this long had a real run rather than a start-up failure, so its next restart
 # starts again from the initial back-off; a child that keeps failing soon after start keeps doubling it.
 STABLE_SECONDS = 30.0
-# How often the supervisor looks at its children; the cost of a look is one waitpid per child.
+# How often the supervisor looks at its children (the cost of a look is one waitpid per child), and a start
+# at whether its service is ready.
 POLL_SECONDS = 0.2
 # The inference service drains in-flight requests for its grace period (10 s by default) before it exits.
 STOP_TIMEOUT_SECONDS = 30.0
@@ -65,7 +67,7 @@ def _poll(ready: Callable[[], bool], what: str, proc: subprocess.Popen, timeout:
             raise RuntimeError(f"service for {what} exited with code {proc.returncode} during start-up")
         if ready():
             return True
-        time.sleep(0.2)
+        time.sleep(POLL_SECONDS)
     raise TimeoutError(f"{what} did not become ready within {timeout:.0f} s")
 
 
@@ -73,7 +75,7 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = STARTUP_T
                  stop: threading.Event | None = None, tls: ClientTls | None = None) -> bool:
     """Blocks until target answers SERVING (True) or stop is set (False); fails early if proc exits.
     tls: how to dial it (None: plaintext)."""
-    with sync_channel(target, tls) as channel:
+    with sync_channel(target, tls, POLL_CHANNEL_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
 
         def serving() -> bool:
