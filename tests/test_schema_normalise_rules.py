@@ -1569,6 +1569,15 @@ def refusal(*notes: str) -> str:
     return f"json_schema matches nothing: {'; '.join(notes)}; correct the part named last"
 
 
+def backward_chain(levels: int) -> dict:
+    """A required property whose `$ref` reaches, through `levels` definitions each a `$ref` to the next, one whose
+    bounds leave no value; written last first, so each target is walked where it is written before its `$ref`."""
+    defs: dict = {f"d{levels}": {"type": "string", "minLength": 3, "maxLength": 1}}
+    for i in range(levels - 1, -1, -1):
+        defs[f"d{i}"] = {"$ref": f"#/$defs/d{i + 1}"}
+    return {"$defs": defs, "type": "object", "required": ["p"], "properties": {"p": {"$ref": "#/$defs/d0"}}}
+
+
 UNSATISFIABLE_REFUSED = [
     pytest.param({"type": "string", "enum": [1, 2]}, refusal("at the root, none of its enum values is of its type 'string'"),
                  id="enum"),
@@ -1663,7 +1672,23 @@ UNSATISFIABLE_REFUSED = [
                  refusal("at the root, its allOf parts have no value in common",
                          "at /allOf/1, its allOf parts have no value in common",
                          "at /allOf/1/allOf/1, its parts' consts 1 and 2 differ"), id="a-part-s-own-note"),
+    # A chain past NOTES_NAMED_FIRST + NOTES_NAMED_LAST notes: the first ones, how many were left out, the last ones.
+    pytest.param(backward_chain(10),
+                 refusal("at the root, its required property 'p' accepts no value",
+                         "at /properties/p, its $ref '#/$defs/d0' accepts no value",
+                         "at /$defs/d0, its $ref '#/$defs/d1' accepts no value",
+                         "at /$defs/d1, its $ref '#/$defs/d2' accepts no value", "... 7 more ...",
+                         "at /$defs/d9, its $ref '#/$defs/d10' accepts no value",
+                         "at /$defs/d10, its minLength 3 is greater than its maxLength 1"), id="a-long-chain-shortened"),
 ]
+
+
+def test_a_chain_as_long_as_the_schema_is_named_in_a_refusal_of_bounded_length():
+    # Each note named all of its causes: 4,000 such definitions (142 KB) built 481 MB of notes, quadratic in the
+    # schema. Each note is now a link to its cause, and the refusal names a bounded number of them.
+    with pytest.raises(InvalidGrammarError) as e:
+        normalise_schema(backward_chain(2000))
+    assert len(str(e.value)) < 1000 and "... 1997 more ..." in str(e.value)
 
 
 @pytest.mark.parametrize("schema, refused", UNSATISFIABLE_REFUSED)

@@ -32,7 +32,8 @@ meaning:
   looked at past MAX_DEPTH) leaves the `$ref` as written.
   `anyOf`/`oneOf` branches that are `false` are dropped (none left: the node
   is `false`). A schema that is `false` as a whole is refused
-  (InvalidGrammarError naming where and why, through each `$ref`);
+  (InvalidGrammarError naming where and why, through each `$ref`: past
+  NOTES_NAMED_FIRST + NOTES_NAMED_LAST notes, the first and the last ones);
 - a type whose values the node's own bounds leave none of goes from its
   `type` (an untyped node: every other type), the keywords only that type
   reads with it; none left, the node is `false`. Those bounds:
@@ -194,6 +195,34 @@ class _Unsatisfiable(_CannotMerge):
     cannot write `false` in its place)."""
 
 
+# The notes a refusal names in full: past them, the first ones, how many were left out, and the last ones (the
+# cause). A chain of `$ref`s each to the next is as long as the schema, and each note naming all of its causes
+# made text quadratic in it.
+NOTES_NAMED_FIRST = 4
+NOTES_NAMED_LAST = 2
+
+
+class _Note:
+    """Why a node became `false`: its own text and the note of the part that made it so (a link, not a copy:
+    each note is built in constant space whatever the length of the chain behind it)."""
+
+    __slots__ = ("text", "cause")
+
+    def __init__(self, text: str, cause: _Note | None):
+        self.text, self.cause = text, cause
+
+    def __str__(self) -> str:
+        links: list[str] = []
+        note: _Note | None = self
+        while note is not None:
+            links.append(note.text)
+            note = note.cause
+        if len(links) > NOTES_NAMED_FIRST + NOTES_NAMED_LAST:
+            left_out = len(links) - NOTES_NAMED_FIRST - NOTES_NAMED_LAST
+            links[NOTES_NAMED_FIRST:-NOTES_NAMED_LAST] = [f"... {left_out} more ..."]
+        return "; ".join(links)
+
+
 class _ProbeTooDeep(Exception):
     """A `$ref` target normalised only to learn whether it is `false` nests past MAX_DEPTH where it was reached:
     the `$ref` stays (as written), where a refusal would refuse a schema that normalises fine without the look."""
@@ -306,7 +335,7 @@ class _Normaliser:
         self._targets: dict[str, Any] = {}  # normalised $ref targets
         self._probe_targets: dict[str, Any] = {}  # those normalised inside a look (_ref_false)
         self._walked: dict[str, bool] = {}  # "#" + path -> whether the walk made the node there `false`
-        self._target_notes: dict[str, str] = {}  # ref -> why its target became `false`
+        self._target_notes: dict[str, _Note] = {}  # ref -> why its target became `false`
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
         # A `$ref` inside a resource with its own `$id` resolves against that resource, not against the root,
         # which is all _pointer reads: in such a schema no `$ref` is looked up (inlining the root's namesake
@@ -315,16 +344,15 @@ class _Normaliser:
         self._probing = 0  # nested $ref looks (_ref_false) under way
         self._in_target = 0  # targets being normalised where a `$ref` reached them (paths not the schema's own)
         self._unprobed: set[str] = set()  # refs whose look ran past MAX_DEPTH: left as written
-        self.notes: dict[str, str] = {}  # path -> why the node there became `false` (the root's: always noted)
+        self.notes: dict[str, _Note] = {}  # path -> why the node there became `false` (the root's: always noted)
 
     def _here(self, *more: str) -> str:
         return "/" + "/".join([*self._path, *(m.replace("~", "~0").replace("/", "~1") for m in more)])
 
-    def _false(self, why: str, cause: str = "") -> bool:
+    def _false(self, why: str, cause: _Note | None = None) -> bool:
         """`false` for the node being worked on, noting why (and `cause`, the note of the part that made it so)."""
         here = self._here()
-        note = f"at {'the root' if here == '/' else here}, {why}"
-        self._last_note = self.notes[here] = f"{note}; {cause}" if cause else note
+        self._last_note = self.notes[here] = _Note(f"at {'the root' if here == '/' else here}, {why}", cause)
         return False
 
     def _spend(self) -> None:
@@ -365,11 +393,11 @@ class _Normaliser:
             # Nothing satisfies its target, so nothing satisfies it (whatever sits beside it, in any draft): an
             # inline `false` (xgrammar refuses a `$ref` to `false`, so the whole schema, where the parent could
             # have done without it: an optional property, an anyOf branch, items of an array that may be empty).
-            return self._false(f"its $ref {out['$ref']!r} accepts no value", self._target_notes.get(out["$ref"], ""))
+            return self._false(f"its $ref {out['$ref']!r} accepts no value", self._target_notes.get(out["$ref"]))
         if "$ref" in out and not self.ref_siblings:
             return out  # the `$ref` replaces it: the keywords beside it neither constrain nor make it `false`
         if "if" not in self.unread and (isinstance(out.get("allOf"), list) and out["allOf"] or "if" in out):
-            self._last_note = ""  # a note a merge below makes names why
+            self._last_note = None  # a note a merge below makes names why
             out = self._if_then_cases(out)
             if out is False:
                 return self._false("no case of its if/then accepts a value", self._last_note)
@@ -382,7 +410,7 @@ class _Normaliser:
             if not isinstance(out, dict):
                 # `{"allOf": [false]}`, or parts with no value in common: the schema `false`
                 return self._false("its allOf parts have no value in common",
-                                   next((self.notes[p] for p in parts if p in self.notes), ""))
+                                   next((self.notes[p] for p in parts if p in self.notes), None))
         for key in ("anyOf", "oneOf"):
             if isinstance(out.get(key), list) and out[key] and not ("anyOf" in out and "oneOf" in out):
                 try:
@@ -393,12 +421,12 @@ class _Normaliser:
                 # A branch that is `false` matches nothing (xgrammar refuses it): dropped.
                 if not any(b is not False for b in out[key]):
                     return self._false(f"every branch of its {key} accepts no value",
-                                       self.notes.get(self._here(key, "0"), ""))
+                                       self.notes.get(self._here(key, "0")))
                 out = {**out, key: [b for b in out[key] if b is not False]}
         found = _unsatisfiable(out, self.unread)
         if found is not None:
             why, part = found
-            return self._false(why, self.notes.get(self._here(*part), "") if part else "")
+            return self._false(why, self.notes.get(self._here(*part)) if part else None)
         out, why = _within_bounds(out, self.unread)
         if out is False:
             return self._false(why)
@@ -544,8 +572,8 @@ class _Normaliser:
             self._in_target += 1
             try:
                 target = self.node(_pointer(self.root, ref))
-                if target is False:
-                    self._target_notes[ref] = self.notes.get(self._here(), "")
+                if target is False and self._here() in self.notes:
+                    self._target_notes[ref] = self.notes[self._here()]
                 targets[ref] = target
             finally:
                 self._expanding.discard(ref)
@@ -561,7 +589,8 @@ class _Normaliser:
             return False
         at = _fragment(ref)
         if at in self._walked:  # (its note, if any, is where the walk made it `false`)
-            self._target_notes.setdefault(ref, self.notes.get(at[1:] or "/", ""))
+            if (at[1:] or "/") in self.notes:
+                self._target_notes.setdefault(ref, self.notes[at[1:] or "/"])
             return self._walked[at]
         for targets in (self._targets, self._probe_targets):
             if ref in targets:
