@@ -24,9 +24,10 @@ CHANNEL_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 1),
-    # A peer that went away (a replica restarting, a service draining) is dialled again at most a second
-    # apart: gRPC's default backoff grows to two minutes, so a grammar replica back on its port after a
-    # restart went unused for as long as the channel's backoff had grown while it was down.
+    # A peer that went away (a replica restarting, a service draining) is dialled again with the attempts
+    # starting about a second apart at most (gRPC jitters them; an attempt to an address that drops packets
+    # still lasts up to gRPC's minimum connect timeout). gRPC's default backoff grows to two minutes, so a
+    # channel to a replica that had been down a while tried again only long after it was back on its port.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
 )

@@ -95,7 +95,7 @@ def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(replicas, 
     Compile only until the compile deadline plus COMPILE_RPC_MARGIN_SECONDS: the compile moves to the other
     replica and the request is served; with both frozen the request fails UNAVAILABLE, naming the hung replica
     and the deadline, without trying the first again, then compiles are refused at once until a replica answers
-    the maintenance task; nothing is left compiling in the engine."""
+    the maintenance task, and served again once it has; nothing is left compiling in the engine."""
     from inference_svc.config import EngineConfig, InferenceServiceConfig
     from inference_svc.grammar import grammar_tier
     from shared.inference_client import InferenceError
@@ -129,6 +129,13 @@ def test_a_frozen_replica_holds_a_compile_no_longer_than_its_deadline(replicas, 
                 client.complete("three", regex="[a-z]{5}", max_tokens=8, timeout=120)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
             assert "no grammar replica is available" in refused.value.message
+            # Thawed, they answer the maintenance task's registration (run here rather than waited for): no longer
+            # hung, they compile again.
+            for r in (first, second):
+                os.kill(r.proc.pid, signal.SIGCONT)
+            assert srv.call(tier.connect(timeout=30.0)) == 2
+            again = client.complete("four", regex="[0-9]{2}", max_tokens=8, timeout=120)
+            assert len(again.text) == 2 and again.text.isdigit()
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
         assert "did not answer the compile within" in failed.value.message
         assert f"{1.0 + grammar_tier.COMPILE_RPC_MARGIN_SECONDS:g} s" in failed.value.message

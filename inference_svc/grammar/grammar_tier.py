@@ -143,8 +143,9 @@ class _Replica:
     stream: StepStream | None = None
     sessions: int = 0
     registered: bool = False
-    # It did not answer a compile (or the tokenizer) in time: no compile is tried there, not even to register it
-    # again on the way (that would wait out another deadline), until maintain() has registered it again.
+    # It did not answer a compile (or the tokenizer on a compile's way) in time: no compile is tried there, not
+    # even to register it again on the way (that would wait out another deadline), until it answers a
+    # registration (maintain()'s, or one already on its way). Never set beside `registered`.
     hung: bool = False
     retired: bool = False  # its address left DNS: no new sessions; gone once its sessions are
     pending_closes: list[int] = field(default_factory=list)
@@ -155,6 +156,14 @@ class _Replica:
         """It may have restarted (or is gone): it needs the tokenizer again, and its cache may be empty."""
         self.registered = False
         self.compiled.clear()
+
+    def mark_registered(self) -> None:
+        """It answered a registration: whatever was said of it before (hung, even) is past."""
+        self.registered, self.hung = True, False
+
+    def mark_hung(self) -> None:
+        self.unregister()
+        self.hung = True
 
     def remember(self, constraint: Constraint, grammar_id: str, warnings: tuple[SchemaWarning, ...]) -> None:
         if len(constraint.text) + sum(map(len, constraint.choices)) > COMPILED_MEMO_MAX_CONSTRAINT_CHARS:
@@ -429,7 +438,7 @@ class GrammarTier:
                 return
             try:
                 await r.client.register_tokenizer(self.tokenizer, timeout=timeout)
-                r.registered, r.hung = True, False
+                r.mark_registered()
             except grpc.aio.AioRpcError as e:  # the replica's: it stays down until it answers
                 log.debug("grammar replica %s not reachable: %s", r.client.target, e.details())
 
@@ -495,8 +504,7 @@ class GrammarTier:
                 continue
             except TimeoutError:
                 # Hung (SIGSTOPped, its event loop wedged): new compiles avoid it until it answers maintain().
-                r.unregister()
-                r.hung = True
+                r.mark_hung()
                 lost += 1
                 seconds = self.compile_rpc_seconds
                 if lost >= 2 or self._pick(tried) is None:
@@ -530,7 +538,8 @@ class GrammarTier:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the replica's silence, not the constraint's
                     raise TimeoutError from None
                 raise
-            r.registered = True
+            # (A compile that timed out meanwhile may have marked it hung: it has answered since.)
+            r.mark_registered()
         seconds = self.compile_rpc_seconds
         # The replica hears a deadline a little later than ours, so ours (a TimeoutError, never its
         # DEADLINE_EXCEEDED answer for a compile that outlived its own timeout) is what a hung replica yields.
@@ -686,10 +695,9 @@ class GrammarTier:
         r = self._replicas.get(replica)
         if r is None:
             return errors.UnavailableError(f"grammar replica lost: {detail}")
-        # New compiles avoid it until maintain() has handed it the tokenizer again; one silent past the step
-        # deadline is hung, and gets none at all until then (see _Replica.hung).
+        # New compiles avoid it until it has the tokenizer again (a replay's compile may hand it over on its way:
+        # one slow step is not a hung replica, and with no other replica its requests' replays would fail).
         r.unregister()
-        r.hung = r.hung or isinstance(cause, TimeoutError)
         if r.stream is not None:
             r.stream.cancel()
             r.stream = None
