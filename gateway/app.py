@@ -92,7 +92,10 @@ class GatewayApp:
         error = self.api_error(exc)
         if record is not None:
             record.done(error.status)
-        return JSONResponse(error.body(), status_code=error.status)
+        # A body refused for its size is left unread: the connection is closed after the answer (the rest of the
+        # body would be read as the next request's start), at once rather than at the keep-alive timeout.
+        headers = {"connection": "close"} if error.status == 413 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own 404 / 405, in the OpenAI error shape."""
