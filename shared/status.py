@@ -65,6 +65,37 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see the server log"
 
 
+# The most bytes of details a status carries, as gRPC sends them (percent-encoded, in the grpc-message header): a
+# client refuses a header block past its limit (grpcio's hard limit: 16 KiB), and the call then ends
+# RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), which clients retry, in place of its own code.
+MAX_DETAILS_BYTES = 4096
+
+
+def _sent_bytes(ch: str) -> int:
+    """Bytes `ch` takes in grpc-message: printable ASCII but `%` as itself, anything else each UTF-8 byte as %XX."""
+    return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
+
+
+def capped(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """`message` within `limit` bytes as gRPC sends it: past it, its start and a marker saying how much was cut."""
+    total = 0
+    for i, ch in enumerate(message):
+        total += _sent_bytes(ch)
+        if total > limit:
+            break
+    else:
+        return message
+    # Room for the marker (its digits at most the message's length's).
+    room, kept = limit - len(f" ... [{len(message)} more characters cut]"), 0
+    total = 0
+    for ch in message:
+        total += _sent_bytes(ch)
+        if total > room:
+            break
+        kept += 1
+    return f"{message[:kept]} ... [{len(message) - kept} more characters cut]"
+
+
 def refuse(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Sets the call's status to the one the table gives `exc`; the handler then returns (None for a unary call).
 
@@ -72,7 +103,9 @@ def refuse(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     grpc's own frames, which hold the request message, into reference cycles
     that only a full collection frees, and a process of millions of objects
     (a model, a tokenizer) seldom runs one, so each refused request's bytes,
-    up to the message limit, stayed behind."""
+    up to the message limit, stayed behind. The details are capped()
+    (MAX_DETAILS_BYTES): a longer message would reach the client as
+    RESOURCE_EXHAUSTED."""
     code, message = status_for(exc)
     context.set_code(code)
-    context.set_details(message)
+    context.set_details(capped(message))

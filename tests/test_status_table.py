@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from shared import errors
-from shared.status import STATUS_TABLE, error_for_code, status_for
+from shared.status import MAX_DETAILS_BYTES, STATUS_TABLE, capped, error_for_code, status_for
 
 C = grpc.StatusCode
 NEVER_SUCCEEDS, TRY_LATER, OTHER = "never succeeds", "try later", "other"
@@ -77,3 +77,21 @@ def test_codes_received_from_another_service_become_the_first_row_for_them():
     assert type(error_for_code(C.INTERNAL.value[0], "m", errors.UnavailableError)) is errors.UnavailableError
     assert type(error_for_code(C.INTERNAL.value[0], "m", errors.CancelledError)) is errors.CancelledError
     assert type(error_for_code(C.ABORTED.value[0], "m", errors.UnavailableError)) is errors.GrammarDesyncError
+
+
+def sent_bytes(message: str) -> int:
+    """Its length percent-encoded as gRPC sends details."""
+    return sum(1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode()) for ch in message)
+
+
+@pytest.mark.parametrize("message, cut", [
+    pytest.param("a" * MAX_DETAILS_BYTES, 0, id="at-the-cap-as-it-is"),
+    pytest.param("a" * (MAX_DETAILS_BYTES + 1), MAX_DETAILS_BYTES + 1 - (MAX_DETAILS_BYTES - 31), id="ascii-past-it"),
+    pytest.param("%" * MAX_DETAILS_BYTES, MAX_DETAILS_BYTES - (MAX_DETAILS_BYTES - 31) // 3, id="percent-sent-as-3"),
+    pytest.param("\u00e9" * MAX_DETAILS_BYTES, MAX_DETAILS_BYTES - (MAX_DETAILS_BYTES - 31) // 6, id="utf8-sent-as-6"),
+])
+def test_long_details_are_cut_to_the_cap_saying_how_much(message, cut):
+    # Past the client's header limit a call ends RESOURCE_EXHAUSTED in place of its own code.
+    out = capped(message)
+    assert sent_bytes(out) <= MAX_DETAILS_BYTES
+    assert out == message if not cut else out == f"{message[:len(message) - cut]} ... [{cut} more characters cut]"
