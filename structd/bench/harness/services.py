@@ -117,6 +117,11 @@ class ChildService:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as r:
             return r.read().decode("utf-8")
 
+    def begin_stop(self) -> None:
+        """SIGTERM without waiting: several services drain side by side, then `stop` waits for each."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -253,6 +258,10 @@ class GrammarTier:
         return None if any(v is None for v in seconds) else sum(seconds)
 
     def stop(self) -> None:
+        # Child replicas drain and exit side by side (each exit waits on its own process's teardown).
+        for s in self.services:
+            if isinstance(s, ChildService):
+                s.begin_stop()
         for s in self.services:
             s.stop()
 
