@@ -501,6 +501,16 @@ REFS_FALSE = [
     # Where it is not known to be `false`, the `$ref` stays.
     case({"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}},
          {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}, "ref-to-nothing-left"),
+    # A fragment not starting `#/` is a plain name as written (the output check: NoSuchAnchor), whatever it decodes to.
+    case({"type": "object", "properties": {"a": {"$ref": "#%2F%24defs%2Fbad"}}, "$defs": {"bad": BAD}},
+         {"type": "object", "properties": {"a": {"$ref": "#%2F%24defs%2Fbad"}}, "$defs": {"bad": False}},
+         "an-encoded-pointer-is-a-plain-name-left"),
+    # An index that is no ASCII number, or longer than any array, points nowhere (int() refused both).
+    *(case({"type": "object", "properties": {"a": {"$ref": f"#/$defs/l/anyOf/{index}"}},
+            "$defs": {"l": {"anyOf": [BAD, {"type": "null"}]}}},
+           {"type": "object", "properties": {"a": {"$ref": f"#/$defs/l/anyOf/{index}"}},
+            "$defs": {"l": {"anyOf": [{"type": "null"}]}}}, f"index-{name}-points-nowhere")
+      for name, index in (("superscript", "\u00b2"), ("arabic-indic", "\u0660"), ("of-5000-digits", "0" * 5000))),
     case({"type": "object", "properties": {"a": {"$ref": "https://example.com/bad.json"}}},
          {"type": "object", "properties": {"a": {"$ref": "https://example.com/bad.json"}}}, "remote-ref-left"),
     case({"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},

@@ -588,6 +588,8 @@ class _Normaliser:
                 or not self._refs_looked_up:
             return False
         at = _fragment(ref)
+        if at is None:
+            return False  # a plain name: not looked up
         if at in self._walked:  # (its note, if any, is where the walk made it `false`)
             if (at[1:] or "/") in self.notes:
                 self._target_notes.setdefault(ref, self.notes[at[1:] or "/"])
@@ -1286,22 +1288,32 @@ def _embedded_base(root: dict, draft: str) -> bool:
     return False
 
 
-def _fragment(ref: str) -> str:
-    """`ref` (a local one) as the JSON pointer it names: a URI fragment, percent-decoded before it is split at
-    `/`, as the output check (jsonschema's referencing) reads it (`%25` is `%`, not the name `a%25`)."""
+def _fragment(ref: str) -> str | None:
+    """`ref` (a local one) as the JSON pointer it names, None where it names none (a plain name, an $anchor's or
+    an $id's). Decided on the fragment as written, as the output check (jsonschema's referencing) decides:
+    `#%2F%24defs%2Fx` is a plain name there (NoSuchAnchor), not the pointer it decodes to. A pointer is then
+    percent-decoded before it is split at `/` (`%25` is `%`, not the name `a%25`)."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
     return "#" + unquote(ref[1:])
 
 
+# Digits past which an array index is past any array (and int() would refuse a long enough one).
+_MAX_INDEX_DIGITS = 18
+
+
 def _pointer(root: dict, ref: str) -> Any:
-    ref = _fragment(ref)
-    if ref != "#" and not ref.startswith("#/"):
-        raise _CannotMerge(f"$ref {ref!r} is a plain-name fragment")  # an $anchor's or an $id's: not looked up
+    at = _fragment(ref)
+    if at is None:
+        raise _CannotMerge(f"$ref {ref!r} is a plain-name fragment")  # not looked up
     node: Any = root
-    for raw in ref[1:].split("/")[1:] if ref != "#" else []:
+    for raw in at[1:].split("/")[1:] if at != "#" else []:
         part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        # ASCII digits only: str.isdigit() takes "²", which int() refuses.
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and len(part) <= _MAX_INDEX_DIGITS \
+                and int(part) < len(node):
             node = node[int(part)]
         else:
             raise _CannotMerge(f"$ref {ref!r} points nowhere")
