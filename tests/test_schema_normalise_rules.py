@@ -243,7 +243,9 @@ IGNORED = [("if", {"minimum": 1}, {"minimum": 2}), ("then", {"minimum": 1}, {"mi
            ("contentMediaType", "text/plain", "application/json"),
            ("contentSchema", {"type": "string"}, {"type": "integer"})]
 FIRST_STAYS = [
-    *(case({"allOf": [{k: "a"}, {k: "b"}]}, {k: "a"}, f"annotation-{k}") for k in ANNOTATIONS),
+    *(case({"allOf": [{k: "a"}, {k: "b"}]}, {k: "a"}, f"annotation-{k}") for k in ANNOTATIONS if k != "$id"),
+    # A part with its own base is not merged: its `$ref`s would be read against the other part's base.
+    case({"allOf": [{"$id": "a"}, {"$id": "b"}]}, {"allOf": [{"$id": "a"}, {"$id": "b"}]}, "annotation-$id-left"),
     *(case({"allOf": [{k: a}, {k: b}]}, {k: a}, f"ignored-{k}") for k, a, b in IGNORED),
 ]
 
@@ -467,6 +469,7 @@ REFS = [
 # xgrammar refuses: the whole schema, where `a` is optional and `{}` valid).
 BAD = {"type": "integer", "minimum": 5, "maximum": 2}
 REF_BAD = {"$ref": "#/$defs/bad"}
+EXT = "https://example.com/ext.json"
 REFS_FALSE = [
     case({"type": "object", "properties": {"a": REF_BAD}, "$defs": {"bad": BAD}},
          {"type": "object", "properties": {"a": False}, "$defs": {"bad": False}}, "optional-property"),
@@ -537,6 +540,22 @@ REFS_FALSE = [
          {"$schema": D4, "definitions": {"s": {"type": "string"}},
           "properties": {"p": {"id": "http://example.com/p", "definitions": {"s": {"type": "integer"}},
                                "allOf": [{"$ref": "#/definitions/s"}]}}}, "draft-4-id-not-inlined"),
+    # Only `$ref`s in or to a resource, or where one's keywords may be merged, are not looked up: one unused
+    # elsewhere left every allOf of `$ref`s unmerged.
+    case({"type": "object", "allOf": [{"$ref": "#/$defs/b"}, {"$ref": "#/$defs/c"}],
+          "$defs": {"b": {"required": ["x"]}, "c": {"properties": {"y": {"type": "string"}}}, "ext": {"$id": EXT}}},
+         {"type": "object", "required": ["x"], "properties": {"x": {}, "y": {"type": "string"}},
+          "$defs": {"b": {"required": ["x"], "properties": {"x": {}}}, "c": {"properties": {"y": {"type": "string"}}},
+                    "ext": {"$id": EXT}}}, "a-resource-elsewhere-leaves-other-refs-looked-up"),
+    case({"$defs": {"t": {"type": "string"}, "ext": {"$id": EXT, "$defs": {"s": {"$ref": "#/$defs/t"}, "t": {}}}},
+          "allOf": [{"$ref": "#/$defs/ext/$defs/s"}, {"type": "integer"}]},
+         {"$defs": {"t": {"type": "string"}, "ext": {"$id": EXT, "$defs": {"s": {"$ref": "#/$defs/t"}, "t": {}}}},
+          "allOf": [{"$ref": "#/$defs/ext/$defs/s"}, {"type": "integer"}]}, "a-target-in-a-resource-not-inlined"),
+    case({"$defs": {"s": {"type": "string"}}, "minimum": 1,
+          "allOf": [{"$id": EXT, "$defs": {"s": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/s"}, {"type": "null"}]}]},
+         {"$defs": {"s": {"type": "string"}}, "minimum": 1,
+          "allOf": [{"$id": EXT, "$defs": {"s": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/s"}, {"type": "null"}]}]},
+         "a-resource-part-not-merged-into-its-node"),
     # A plain-name `$id` changes no base, nor does a property named `$id` or an `$id` in data.
     case({"$defs": {"s": {"type": "string"}, "t": {"$id": "#t"}},
           "properties": {"$id": {"const": {"$id": "x"}}, "p": {"allOf": [{"$ref": "#/$defs/s"}]}}},

@@ -50,7 +50,7 @@ LLGUIDANCE = "llguidance"
 # Also the service's default: xgrammar unless it refuses a grammar or compiles it too slowly.
 AUTO = "auto"
 # Bump whenever grammar_text can give a spec a different llguidance grammar (part of its grammar id).
-GRAMMAR_REVISION = "llguidance-15"
+GRAMMAR_REVISION = "llguidance-16"
 
 _TOKENIZER_LOCK = threading.Lock()
 

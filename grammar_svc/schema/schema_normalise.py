@@ -113,10 +113,15 @@ stall the service on one hostile pattern.
 Where the schema names a draft up to 7, a node with a `$ref` is left as it is
 (`false` where its target is): the `$ref` replaces it, the keywords beside it
 constrain nothing (nor make it `false`). A `$ref` is read as the output check
-reads it, a JSON pointer from the root once its fragment is percent-decoded;
-in a schema with an embedded resource (a subschema with an `$id`, `id` up to
-draft 4, that is not a plain name), where a `$ref` may resolve against that
-resource instead, no `$ref` is looked up (none inlined, none found `false`).
+reads it: a fragment starting `#/` as written is a JSON pointer from the
+root once percent-decoded (any other is a plain name, not looked up). An
+embedded resource (a subschema with an `$id`, `id` up to draft 4, that is
+not a plain name) has its own base: a `$ref` inside one, or whose target is
+in one, is not looked up (none inlined, none found `false`), nor is one on a
+node a resource may have been merged into (above it through allOf/anyOf/
+oneOf/if/then/else only: where a merge is worked on, a `$ref` is placed by
+the path, not by where its keywords came from); and a resource is merged
+with no other schema (its keywords would go under another base).
 Two `allOf` parts' `contains` are not merged (an array may hold an
 item for each and none for both), and a part's `minContains`/`maxContains`
 count only its own `contains`' items: without one they are dropped.
@@ -338,9 +343,12 @@ class _Normaliser:
         self._target_notes: dict[str, _Note] = {}  # ref -> why its target became `false`
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
         # A `$ref` inside a resource with its own `$id` resolves against that resource, not against the root,
-        # which is all _pointer reads: in such a schema no `$ref` is looked up (inlining the root's namesake
-        # wrote another schema than the output check reads).
-        self._refs_looked_up = not _embedded_base(root, schema_draft(root))
+        # which is all _pointer reads (inlining the root's namesake wrote another schema than the output check
+        # reads): such a `$ref`, and one whose target is in one, are not looked up (_looked_up).
+        self.id_key = "id" if schema_draft(root) in ("draft-03", "draft-04") else "$id"
+        self._resources = _embedded_resources(root, self.id_key)
+        self._merged_from_resources = _merged_from(self._resources)
+        self._bases: list[tuple[int, tuple[str, ...]]] = []  # (len(_path) at a target, the target's location)
         self._probing = 0  # nested $ref looks (_ref_false) under way
         self._in_target = 0  # targets being normalised where a `$ref` reached them (paths not the schema's own)
         self._unprobed: set[str] = set()  # refs whose look ran past MAX_DEPTH: left as written
@@ -552,7 +560,7 @@ class _Normaliser:
             return schema
         ref = schema["$ref"]
         if not isinstance(ref, str) or not ref.startswith("#") or ref in seen or ref in self._expanding or \
-                not self._refs_looked_up:
+                not self._looked_up(ref):
             raise _CannotMerge(f"$ref {ref!r}")  # remote, a cycle, or another resource's: not inlined
         target = self._resolved(self._copy(self._target(ref)), seen + (ref,))
         if not self.ref_siblings:
@@ -567,25 +575,49 @@ class _Normaliser:
         have inlined where it reached them."""
         targets = self._probe_targets if self._probing else self._targets
         if ref not in targets:
+            written, location = _walk(self.root, ref)
             self._expanding.add(ref)
             self._enter(ref)
             self._in_target += 1
+            self._bases.append((len(self._path), location))
             try:
-                target = self.node(_pointer(self.root, ref))
+                target = self.node(written)
                 if target is False and self._here() in self.notes:
                     self._target_notes[ref] = self.notes[self._here()]
                 targets[ref] = target
             finally:
+                self._bases.pop()
                 self._expanding.discard(ref)
                 self._in_target -= 1
                 self._path.pop()
         return targets[ref]
 
+    def _looked_up(self, ref: str) -> bool:
+        """Whether local `ref`, on the node being worked on, is read against the root: neither it nor its target
+        is in an embedded resource, nor where one's keywords may have been merged in (_merged_from). A `$ref` is
+        placed by the path: where a target is being normalised, the target's location and the path below it.
+        A merge brings in keywords of the node's allOf/anyOf/oneOf parts and of the targets it inlines: a part's
+        `$ref` is then read at the node (hence _merged_from), a target's where the target is (its location is
+        checked as the target's). Where it points nowhere it is looked up (and found nowhere)."""
+        if not self._resources:
+            return True
+        if self._bases:
+            n, base = self._bases[-1]
+            here = base + tuple(_unescaped(p) for p in self._path[n:])
+        else:
+            here = tuple(_unescaped(p) for p in self._path)
+        try:
+            target = _location(self.root, ref)
+        except _CannotMerge:
+            return True
+        return not any(at[:i] in self._resources for at in (here, target) for i in range(len(at) + 1)) and \
+            not any(at in self._merged_from_resources for at in (*_merged_into(here), target))
+
     def _ref_false(self, ref: Any) -> bool:
         """Whether local `ref`'s target normalises to `false` (False where that is not known: a remote or
         plain-name ref, one pointing nowhere, a cycle, another resource's, a look past MAX_DEPTH)."""
         if not isinstance(ref, str) or not ref.startswith("#") or ref in self._expanding or ref in self._unprobed \
-                or not self._refs_looked_up:
+                or not self._looked_up(ref):
             return False
         at = _fragment(ref)
         if at is None:
@@ -623,6 +655,9 @@ class _Normaliser:
         a, b = self._resolved(a, ()), self._resolved(b, ())
         if not isinstance(a, dict) or not isinstance(b, dict):
             return self.merge(a, b)  # a `$ref` to `true` or `false`: merged as that schema
+        if self._resources and (_base_of(a, self.id_key) or _base_of(b, self.id_key)):
+            # One part's keywords would go under the other's base, or its id onto the merged node.
+            raise _CannotMerge("an embedded resource (its own $id)")
         if "allOf" in a or "allOf" in b:
             raise _CannotMerge("an allOf that could not be merged itself")  # parts arrive normalised
         # A part's minContains/maxContains count its own `contains` items (none: they say nothing), never the
@@ -1265,27 +1300,63 @@ def _least_repeats(m: re.Match) -> int:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-def _embedded_base(root: dict, draft: str) -> bool:
-    """Whether a schema below `root` has an id of its own that changes the base `$ref`s resolve against (`id` up
-    to draft 4, `$id` after; a plain-name fragment `#a` changes none). Every object but data is looked at, names
-    in a map of schemas excepted: never a base missed (the price: a stray `$id` leaves the `$ref`s as written)."""
-    key = "id" if draft in ("draft-03", "draft-04") else "$id"
-    stack: list[tuple[Any, bool]] = [(v, k in _SUBSCHEMA_MAPS or k == "dependencies")
-                                     for k, v in root.items() if k not in _DATA_KEYWORDS]
+def _base_of(node: dict, key: str) -> bool:
+    """Whether `node` has an id (`key`) that changes the base its `$ref`s resolve against (a plain name does not)."""
+    return isinstance(node.get(key), str) and not node[key].startswith("#")
+
+
+def _embedded_resources(root: dict, key: str) -> frozenset[tuple[str, ...]]:
+    """The locations (keys from the root) of the schemas below `root` with an id of their own that changes the
+    base `$ref`s resolve against (`id` up to draft 4, `$id` after; a plain-name fragment `#a` changes none).
+    Every object but data is looked at, names in a map of schemas excepted: never a base missed (the price: a
+    stray `$id` leaves the `$ref`s in and to it as written)."""
+    found = []
+    stack: list[tuple[Any, bool, tuple[str, ...]]] = [(v, k in _SUBSCHEMA_MAPS or k == "dependencies", (k,))
+                                                      for k, v in root.items() if k not in _DATA_KEYWORDS]
     while stack:
-        value, names = stack.pop()
+        value, names, at = stack.pop()
         if isinstance(value, list):
-            stack.extend((v, False) for v in value)
+            stack.extend((v, False, (*at, str(i))) for i, v in enumerate(value))
         elif isinstance(value, dict):
             if names:
-                stack.extend((v, False) for v in value.values())
+                stack.extend((v, False, (*at, k)) for k, v in value.items())
                 continue
-            base = value.get(key)
-            if isinstance(base, str) and not base.startswith("#"):
-                return True
-            stack.extend((v, k in _SUBSCHEMA_MAPS or k == "dependencies") for k, v in value.items()
+            if _base_of(value, key):
+                found.append(at)
+            stack.extend((v, k in _SUBSCHEMA_MAPS or k == "dependencies", (*at, k)) for k, v in value.items()
                          if k not in _DATA_KEYWORDS)
-    return False
+    return frozenset(found)
+
+
+# Keywords whose subschemas a merge brings into their node (allOf merged, siblings distributed into anyOf/oneOf
+# branches, then/else into the cases of an if).
+_MERGED_IN = frozenset({"allOf", "anyOf", "oneOf", "if", "then", "else"})
+
+
+def _merged_from(resources: frozenset[tuple[str, ...]]) -> frozenset[tuple[str, ...]]:
+    """The locations a resource's keywords may be merged into: those above it through _MERGED_IN keywords
+    (and their indices) only. A `$ref` read there may be the resource's."""
+    out = set()
+    for at in resources:
+        i = len(at)
+        while i > 0 and (at[i - 1] in _MERGED_IN or at[i - 1].isdigit()):
+            i -= 1
+            out.add(at[:i])
+    return frozenset(out)
+
+
+def _merged_into(at: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """`at` and the locations above it through _MERGED_IN keywords only: a merge works on a node's parts (a
+    branch its siblings are distributed into) at the part's path."""
+    out = [at]
+    while at and (at[-1] in _MERGED_IN or at[-1].isdigit()):
+        at = at[:-1]
+        out.append(at)
+    return out
+
+
+def _unescaped(part: str) -> str:
+    return part.replace("~1", "/").replace("~0", "~")
 
 
 def _fragment(ref: str) -> str | None:
@@ -1302,22 +1373,31 @@ def _fragment(ref: str) -> str | None:
 _MAX_INDEX_DIGITS = 18
 
 
-def _pointer(root: dict, ref: str) -> Any:
+def _location(root: dict, ref: str) -> tuple[str, ...]:
+    """The keys from the root to local `ref`'s target (an index as written without leading zeros)."""
+    return _walk(root, ref)[1]
+
+
+def _walk(root: dict, ref: str) -> tuple[Any, tuple[str, ...]]:
+    """Local `ref`'s target as written, and its location; _CannotMerge where it points nowhere."""
     at = _fragment(ref)
     if at is None:
         raise _CannotMerge(f"$ref {ref!r} is a plain-name fragment")  # not looked up
     node: Any = root
+    keys = []
     for raw in at[1:].split("/")[1:] if at != "#" else []:
-        part = raw.replace("~1", "/").replace("~0", "~")
+        part = _unescaped(raw)
         if isinstance(node, dict) and part in node:
             node = node[part]
         # ASCII digits only: str.isdigit() takes "²", which int() refuses.
         elif isinstance(node, list) and part.isascii() and part.isdigit() and len(part) <= _MAX_INDEX_DIGITS \
                 and int(part) < len(node):
             node = node[int(part)]
+            part = str(int(part))
         else:
             raise _CannotMerge(f"$ref {ref!r} points nowhere")
-    return node
+        keys.append(part)
+    return node, tuple(keys)
 
 
 def _types(t: Any) -> list[str]:
