@@ -277,4 +277,11 @@ class OutputChecks:
         return report
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops the workers (a check still running is abandoned: the service is stopping) and waits for the
+        pool to wind down, so the process has no child or pool thread left when it exits."""
+        pool = self._pool
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        pool.shutdown(wait=True)

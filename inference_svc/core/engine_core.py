@@ -32,7 +32,7 @@ from inference_svc.core.assembly import GIL_SWITCH_INTERVAL_SECONDS, EngineAssem
 from inference_svc.metrics import InferenceMetrics
 from inference_svc.engine.request import GenerationRequest, Output
 from shared import errors
-from shared.entry import setup_logging
+from shared.entry import end_stopped_process, setup_logging
 from shared.metrics_http import MetricsHttp
 from shared.status import error_for_code, status_for
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     # asks for it before it kills a core that has not finished starting, and an operator can send it too.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     sock = socket.socket(fileno=int(argv[0]))
-    return asyncio.run(serve(sock))
+    end_stopped_process(asyncio.run(serve(sock)))
 
 
 if __name__ == "__main__":
