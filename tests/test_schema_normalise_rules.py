@@ -1564,6 +1564,13 @@ def test_past_the_budget_or_the_depth_the_schema_is_refused_naming_where(schema,
     *(pytest.param({**K_ABC, key: branches, "allOf": [IF_K, {"maxProperties": 5}]}, budget, id=f"{key}-beside-an-if")
       for key, branches, budget in (("anyOf", [{"minProperties": 1}], 38),
                                     ("oneOf", [{"minProperties": 1}, {"maxProperties": 0}], 67))),
+    # A target looked at for a `$ref` (is it `false`?), with no cycle cut there, is not normalised again where the
+    # walk writes it nor where an allOf inlines it (254 nodes: each was normalised twice).
+    pytest.param({"type": "object", "properties": {"p": {"$ref": "#/$defs/d"}},
+                  "$defs": {k: {"type": "object", "properties": {k * 2: {"type": "integer"}},
+                                "anyOf": [{"properties": {f"f{i}": {"type": "string"}}, "required": [f"f{i}"]}
+                                          for i in range(4)]} for k in "ab"} |
+                  {"d": {"allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]}}}, 150, id="a-target-looked-at-once"),
     pytest.param(nested("items", MAX_DEPTH - 1), 10_000, id="nested-to-the-limit"),
     pytest.param({"enum": [nested_lists(MAX_DEPTH - 2)]}, 10_000, id="value-nested-to-the-limit"),
 ])

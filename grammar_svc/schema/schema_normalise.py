@@ -342,6 +342,9 @@ class _Normaliser:
         self._walked: dict[str, bool] = {}  # "#" + path -> whether the walk made the node there `false`
         self._target_notes: dict[str, _Note] = {}  # ref -> why its target became `false`
         self._expanding: set[str] = set()  # refs being normalised now: a ref back to one is a cycle
+        self._cycles_cut = 0  # refs back to one being normalised met so far (each left as written there)
+        # "#" + location -> a target normalised with no cycle cut: the node there, as the walk would write it
+        self._whole: dict[str, Any] = {}
         # A `$ref` inside a resource with its own `$id` resolves against that resource, not against the root,
         # which is all _pointer reads (inlining the root's namesake wrote another schema than the output check
         # reads): such a `$ref`, and one whose target is in one, are not looked up (_looked_up).
@@ -454,7 +457,7 @@ class _Normaliser:
         if isinstance(out.get("enum"), list) and "type" in out:
             kept = [v for v in out["enum"] if _has_type(v, out["type"])]
             if kept:  # else a type name that is no JSON type (known ones: `false` above): left as written
-                out["enum"] = kept
+                out = {**out, "enum": kept}  # a new node: `out` may be a part another place holds
         return out
 
     def _children(self, key: str, value: Any) -> Any:
@@ -473,9 +476,12 @@ class _Normaliser:
         if not isinstance(schema, dict):
             return schema
         for part in path:
-            self._enter(part.replace("~", "~0").replace("/", "~1"))
+            self._enter(_escaped(part))
         try:
-            out = self.node(schema)
+            reached = None if self._in_target or self._probing else self._whole.get("#" + self._here())
+            # Normalised already through a `$ref` (not `false`: its note names the path it was reached by). Held
+            # here and in _targets: no merge changes a node it is given, and _resolved inlines a copy.
+            out = reached if reached is not None and reached is not False else self.node(schema)
             if not self._in_target:
                 # Normalised where it is written (nothing being expanded): what a `$ref` to here asks
                 self._walked["#" + self._here()] = out is False
@@ -559,6 +565,8 @@ class _Normaliser:
         if not isinstance(schema, dict) or "$ref" not in schema:
             return schema
         ref = schema["$ref"]
+        if isinstance(ref, str) and ref in self._expanding:
+            self._cycles_cut += 1
         if not isinstance(ref, str) or not ref.startswith("#") or ref in seen or ref in self._expanding or \
                 not self._looked_up(ref):
             raise _CannotMerge(f"$ref {ref!r}")  # remote, a cycle, or another resource's: not inlined
@@ -572,10 +580,14 @@ class _Normaliser:
         """The normalised target of local `ref`, normalised once (where it is first reached: the path names it
         through the `$ref`); _CannotMerge where it points nowhere. A look (_ref_false) keeps its own: a target
         normalised inside one may have `$ref`s to those being expanded left as written, which _resolved would
-        have inlined where it reached them."""
+        have inlined where it reached them; one where none was (no cycle cut) is the same target, kept for both
+        (normalising it twice spent the budget twice)."""
+        if ref in self._targets:
+            return self._targets[ref]
         targets = self._probe_targets if self._probing else self._targets
         if ref not in targets:
             written, location = _walk(self.root, ref)
+            cut = self._cycles_cut
             self._expanding.add(ref)
             self._enter(ref)
             self._in_target += 1
@@ -585,6 +597,9 @@ class _Normaliser:
                 if target is False and self._here() in self.notes:
                     self._target_notes[ref] = self.notes[self._here()]
                 targets[ref] = target
+                if self._cycles_cut == cut:
+                    self._targets[ref] = target
+                    self._whole["#" + "/".join(("", *(_escaped(k) for k in location)))] = target
             finally:
                 self._bases.pop()
                 self._expanding.discard(ref)
@@ -616,6 +631,8 @@ class _Normaliser:
     def _ref_false(self, ref: Any) -> bool:
         """Whether local `ref`'s target normalises to `false` (False where that is not known: a remote or
         plain-name ref, one pointing nowhere, a cycle, another resource's, a look past MAX_DEPTH)."""
+        if isinstance(ref, str) and ref in self._expanding:
+            self._cycles_cut += 1
         if not isinstance(ref, str) or not ref.startswith("#") or ref in self._expanding or ref in self._unprobed \
                 or not self._looked_up(ref):
             return False
@@ -1353,6 +1370,10 @@ def _merged_into(at: tuple[str, ...]) -> list[tuple[str, ...]]:
         at = at[:-1]
         out.append(at)
     return out
+
+
+def _escaped(part: str) -> str:
+    return part.replace("~", "~0").replace("/", "~1")
 
 
 def _unescaped(part: str) -> str:
