@@ -8,8 +8,8 @@ into their subcommand and call the same `run(args)` of the service's
 from __future__ import annotations
 
 import argparse
-import atexit
 import asyncio
+import atexit
 import logging
 import os
 import sys
