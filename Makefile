@@ -13,13 +13,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# --no-compile: pip would byte-compile every module of torch, transformers and the rest, most of which
-	# nothing here imports (the larger part of the install's time); Python compiles and caches what is imported
-	# on first import.
 	# torch first and pinned: it resolves to the local CPU wheel, not a CUDA download.
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0
 	# The services, the gateway, the benchmarks and the tests: what `make run` and `make test` use.
-	$(PY) -m pip install --quiet --no-compile -e '.[inference,gateway,bench,test]'
+	$(PY) -m pip install --quiet -e '.[inference,gateway,bench,test]'
 	touch $(STAMP)
 
 run: setup
