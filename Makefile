@@ -14,9 +14,13 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: it resolves to the local CPU wheel, not a CUDA download.
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
 	# The services, the gateway, the benchmarks and the tests: what `make run` and `make test` use.
-	$(PY) -m pip install --quiet -e '.[inference,gateway,bench,test]'
+	$(PY) -m pip install --quiet --no-compile -e '.[inference,gateway,bench,test]'
+	# The bytecode pip would write, on every core rather than one file at a time (every process reads it: where
+	# PYTHONDONTWRITEBYTECODE is set nothing compiled at import is kept). Files this Python cannot compile (torch
+	# ships a helper for a newer one) are skipped, as pip skips them.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 run: setup
