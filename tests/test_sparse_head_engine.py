@@ -33,6 +33,9 @@ def full_head_client(grammar_server, inference_server):
     srv.stop()
 
 
+ATTEMPTS = 5
+
+
 def sparse_steps(server) -> float:
     return server.server.metrics.lm_head_steps.labels("sparse")._value.get()
 
@@ -51,13 +54,19 @@ CASES = [
 
 @pytest.mark.parametrize("kwargs", CASES)
 def test_sparse_and_full_head_give_the_same_output(inference_server, inference_client, full_head_client, kwargs):
-    before = sparse_steps(inference_server)
-    want = full_head_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
-    got = inference_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
-    assert got.token_ids == want.token_ids
-    assert got.logprobs == want.logprobs
-    assert got.finish_reason == want.finish_reason
-    assert sparse_steps(inference_server) > before, "no step of the request took the sparse head"
+    # A step takes the sparse head only where the grammar has answered by the end of the body's forward (else
+    # "full_late"): on a loaded machine a short request's few constrained steps can all be late, so it is sent
+    # again (the same seeded output every time) until one of its steps took it.
+    for _ in range(ATTEMPTS):
+        before = sparse_steps(inference_server)
+        want = full_head_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
+        got = inference_client.complete("Describe a pet as JSON:", max_tokens=24, timeout=120, **kwargs)
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == want.logprobs
+        assert got.finish_reason == want.finish_reason
+        if sparse_steps(inference_server) > before:
+            return
+    pytest.fail(f"no step of the request took the sparse head in {ATTEMPTS} tries (every mask came late)")
 
 
 def head_steps(server, path: str) -> float:
