@@ -92,8 +92,9 @@ class GatewayApp:
         error = self.api_error(exc)
         if record is not None:
             record.done(error.status)
-        # A body refused for its size is left unread, and its connection could carry another request only once all
-        # of it had come: closed with the answer, rather than held open until the keep-alive timeout.
+        # A body refused for its size may be left unread (its declared length is past the limit, or it grew past
+        # it), and its connection could carry another request only once all of it had come: closed with the
+        # answer, rather than held open until the keep-alive timeout.
         headers = {"connection": "close"} if error.status == 413 else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 

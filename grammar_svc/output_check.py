@@ -280,8 +280,7 @@ class OutputChecks:
         """Stops the workers (a check still running is abandoned: the service is stopping) and waits for the
         pool to wind down, so the process has no child or pool thread left when it exits."""
         pool = self._pool
-        processes = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
             process.terminate()
-        pool.shutdown(wait=True)
+        # One shutdown that waits: a first one without waiting would leave the second nothing to join.
+        pool.shutdown(wait=True, cancel_futures=True)

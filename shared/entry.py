@@ -37,7 +37,8 @@ def end_stopped_process(code: int) -> NoReturn:
     multiprocessing's children and semaphores released), then the interpreter's own teardown is skipped: with
     torch and a model loaded it spends up to a second freeing what the OS frees at once, and a drain, a restart
     by `structd up` or an orchestrator, and every test's server stop waited on it. Threads still running end
-    with the process (a normal exit would join non-daemon ones: none is left doing work after the stop)."""
+    with the process, and work still queued in a thread pool is dropped (a normal exit would join them first):
+    after the stop nothing is left that a client waits for."""
     atexit._run_exitfuncs()  # what Py_FinalizeEx runs before its teardown; CPython's, stable since 3.0
     for stream in (sys.stdout, sys.stderr):
         try:

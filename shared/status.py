@@ -73,11 +73,14 @@ MAX_DETAILS_BYTES = 4096
 
 def _sent_bytes(ch: str) -> int:
     """Bytes `ch` takes in grpc-message: printable ASCII but `%` as itself, anything else each UTF-8 byte as %XX."""
-    return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
+    return 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8"))
 
 
 def capped(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
-    """`message` within `limit` bytes as gRPC sends it: past it, its start and a marker saying how much was cut."""
+    """`message` within `limit` bytes as gRPC sends it: past it, its start and a marker saying how much was cut.
+    A lone surrogate (a JSON `"\\ud800"` in a name the message repeats) is written as its escape: grpc cannot
+    encode it, and the call was then never answered."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     total = 0
     for i, ch in enumerate(message):
         total += _sent_bytes(ch)
