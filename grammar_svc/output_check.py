@@ -176,6 +176,21 @@ def _warm(memory_limit_bytes: int = 0) -> None:
     import jsonschema  # noqa: F401
 
 
+def _stop_pool(pool: ProcessPoolExecutor, wait: bool) -> None:
+    """Shuts the pool down and terminates its workers (a check still running is abandoned); wait: until they
+    and its manager thread are gone (taken before the shutdown, which lets go of them)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    if wait:
+        for process in processes:
+            process.join()
+        if manager is not None:
+            manager.join()
+
+
 def document_bytes(token_ids, token_bytes, stop_ids) -> bytes:
     """The document a session accepted: its tokens' bytes, trailing stop tokens left out."""
     ids = list(token_ids)
@@ -215,10 +230,7 @@ class OutputChecks:
         if self._pool is not pool:
             return  # already replaced by another timed-out check
         self._pool = self._new_pool()
-        processes = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.terminate()
+        _stop_pool(pool, wait=False)
 
     async def check(self, grammar_id: str, token_ids, timeout: float | None) -> CheckReport:
         """The violations of a finished document; CheckTimeoutError past `timeout` seconds (the pool it
@@ -279,8 +291,4 @@ class OutputChecks:
     def close(self) -> None:
         """Stops the workers (a check still running is abandoned: the service is stopping) and waits for the
         pool to wind down, so the process has no child or pool thread left when it exits."""
-        pool = self._pool
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
-        # One shutdown that waits: a first one without waiting would leave the second nothing to join.
-        pool.shutdown(wait=True, cancel_futures=True)
+        _stop_pool(self._pool, wait=True)

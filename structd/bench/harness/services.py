@@ -123,8 +123,8 @@ class ChildService:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
+        self.begin_stop()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
