@@ -218,30 +218,6 @@ def queued_behind_a_stopped_worker(srv, worker, fp: str, spec, deadline: float, 
     return call(srv, go)
 
 
-def test_a_queued_compile_that_ran_out_compiling_is_the_grammars_timeout_remembered_for_what_it_ran(
-        roomy, tokenizer_desc):
-    """A compile that waited a while for the one worker, then compiled past the rest of its deadline: the
-    grammar is slow (DEADLINE_EXCEEDED, remembered), not the queue busy (which is never remembered, so a slow
-    schema under load cost a worker for its whole deadline at every request). It is remembered for the
-    seconds it compiled: a request with no longer a deadline is answered from the cache."""
-    fp = tokenizer_desc.fingerprint
-    (worker,) = pool_ready(roomy)
-    known = set(_failed_entries(roomy))
-    slow = very_slow(f"queued-{salt()}")
-    deadline = 6.0
-    # At least a sixth of its deadline waited (a lower bound, whatever the load): more than a moment (which
-    # would count as no wait), under the half that would make it the queue's.
-    err = queued_behind_a_stopped_worker(roomy, worker, fp, slow, deadline, hold_seconds=1.0)
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "after compiling for" in err.details(), err.details()
-    (entry,) = [e for k, e in _failed_entries(roomy).items() if k not in known]
-    assert deadline / 2 <= entry.timeout_seconds < deadline  # what it compiled for, not the whole deadline
-    pool_ready(roomy)
-    hits = sample(roomy, "grammar_svc_cache_hits_total", kind="json_schema")
-    again = rpc_error(roomy, lambda c: c.compile(fp, slow, timeout_seconds=deadline / 2))
-    assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert sample(roomy, "grammar_svc_cache_hits_total", kind="json_schema") == hits + 1, "not from the cache"
-
-
 @pytest.fixture(scope="module")
 def laneless(tokenizer_desc):
     """One worker and no extra lanes: a job behind a long compile waits for as long as the test holds it."""
@@ -263,6 +239,33 @@ def test_a_compile_that_waited_most_of_its_deadline_and_ran_out_is_the_queues_no
     assert sample(laneless, "grammar_svc_compile_failures_total", kind="json_schema", reason="busy") == busy + 1
     assert not [k for k in _failed_entries(laneless) if k not in known]
     pool_ready(laneless)
+
+
+def test_a_queued_compile_that_ran_out_compiling_is_the_grammars_timeout_remembered_for_what_it_ran(
+        laneless, tokenizer_desc):
+    """A compile that waited a while for the one worker, then compiled past the rest of its deadline: the
+    grammar is slow (DEADLINE_EXCEEDED, remembered), not the queue busy (which is never remembered, so a slow
+    schema under load cost a worker for its whole deadline at every request). It is remembered for the
+    seconds it compiled: a request with no longer a deadline is answered from the cache.
+
+    No lanes: with one, the queued compile would move to a fresh fork half a second after the holder started
+    (sooner when the machine is slow to queue it), and a wait that short counts as none."""
+    fp = tokenizer_desc.fingerprint
+    (worker,) = pool_ready(laneless)
+    known = set(_failed_entries(laneless))
+    slow = very_slow(f"queued-{salt()}")
+    deadline = 6.0
+    # At least a sixth of its deadline waited (a lower bound, whatever the load): more than a moment (which
+    # would count as no wait), under the half that would make it the queue's.
+    err = queued_behind_a_stopped_worker(laneless, worker, fp, slow, deadline, hold_seconds=1.0)
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "after compiling for" in err.details(), err.details()
+    (entry,) = [e for k, e in _failed_entries(laneless).items() if k not in known]
+    assert deadline / 2 <= entry.timeout_seconds < deadline  # what it compiled for, not the whole deadline
+    pool_ready(laneless)
+    hits = sample(laneless, "grammar_svc_cache_hits_total", kind="json_schema")
+    again = rpc_error(laneless, lambda c: c.compile(fp, slow, timeout_seconds=deadline / 2))
+    assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sample(laneless, "grammar_svc_cache_hits_total", kind="json_schema") == hits + 1, "not from the cache"
 
 
 # ---------------------------------------------------------------- (b) abandoned compiles are cancelled
