@@ -2,7 +2,9 @@
 child processes.
 
 Each service runs as its own `structd <service>` process, exactly as it would
-in a container. Once every one reports SERVING on grpc.health.v1, `up` prints
+in a container. All of them start at once (the inference service loads its
+model while the grammar replicas start, then waits for the grammar tier as it
+does in a cluster). Once every one reports SERVING on grpc.health.v1, `up` prints
 where they listen (and each child's pid); the gateway, which speaks HTTP,
 is ready once its /health answers 200. From then on it supervises them as
 a process manager would: a child that exits, whatever its exit code, is
@@ -349,9 +351,13 @@ def run_up(args: argparse.Namespace) -> int:
     gateway_url = f"{'https' if tls else 'http'}://{gateway_address}"
     gateway = Child("gateway", gateway_address, gateway_command(args, inference_target),
                     health_url=f"{gateway_url}/health", tls=tls) if args.gateway_port else None
-    sup = Supervisor(grammar, None, stop)
+    sup = Supervisor(grammar, inference, stop, gateway=gateway)
     try:
-        for c in grammar:
+        # Every service at once: the inference service loads its model while the grammar replicas start (it
+        # waits for the grammar tier itself), and the gateway says ready once the inference service serves. Up
+        # in the time of the slowest start rather than the sum of them; waited for in order, so a failure is
+        # reported for the service it is in.
+        for c in sup.children:
             c.start()
         for i, c in enumerate(grammar):
             print(f"starting grammar replica {i + 1}/{len(grammar)} on {c.target} ...", flush=True)
@@ -359,14 +365,10 @@ def run_up(args: argparse.Namespace) -> int:
                 return 0
         print(f"starting inference service on {inference_target} (loads the model; the embedded one is built "
               "on first use) ...", flush=True)
-        inference.start()
-        sup.inference = inference
         if not inference.wait_ready(stop=stop):
             return 0
         if gateway is not None:
             print(f"starting the gateway on {gateway_url} ...", flush=True)
-            gateway.start()
-            sup.gateway = gateway
             if not gateway.wait_ready(stop=stop):
                 return 0
         for i, c in enumerate(grammar):
