@@ -81,3 +81,26 @@ def test_each_item_runs_in_its_own_child_with_a_deadline():
     each_in_a_child(_child_job, [("ok",), ("hang",), ("fail",)], timeout=1.0, workers=2,
                     on_done=outcomes.__setitem__)
     assert outcomes == {0: {"kind": "ok"}, 1: {"timeout": True}, 2: {"error": "ValueError: the library refused it"}}
+
+
+def test_a_replica_that_cannot_start_stops_the_inference_service_started_beside_it(tmp_path):
+    """The inference service starts beside its grammar replicas and would wait for them for ever: a replica that
+    exits at start (a bad flag) is reported at once, naming it, and the inference child is stopped with it."""
+    import pytest
+
+    spawned = []
+
+    class Recording(harness.services.ChildService):
+        def __init__(self, *args, **kwargs):
+            spawned.append(self)
+            super().__init__(*args, **kwargs)
+
+    started = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness.services, "ChildService", Recording)
+        with pytest.raises(SystemExit, match="grammar service exited with 1 before listening"):
+            with harness.grammar_and_inference(tmp_path, "bad", replicas=2, grammar_flags=("--compile-workers", "0")):
+                pass
+    assert [c.cmd[3] for c in spawned] == ["grammar", "grammar", "inference"]
+    assert all(c.proc.poll() is not None for c in spawned), "a child outlived the failed start"
+    assert time.monotonic() - started < 60

@@ -19,6 +19,10 @@ and either is stopped before the error reaches the starter.
 `GrammarTier`: K grammar replicas seen as one (addresses, samples, CPU).
 `grammar_and_inference`: the pair most benchmarks need, grammar replica(s)
 and an inference service wired to them, as children stopped in order.
+Children that do not wait for each other start side by side (each is spawned,
+then each waited for): the replicas of a tier, and the inference service
+beside its replicas (told their ports up front, it loads its model while they
+start, then waits for the grammar tier, as it does in a cluster).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -61,10 +65,11 @@ def process_and_children(pid: int) -> list[int]:
 
 class ChildService:
     """A `python -m structd <service>` child on port 0 (or `port`: a restart on the address clients already
-    use); the port comes from its 'listening on' line."""
+    use); the port comes from its 'listening on' line. Made with wait=False it is only spawned: `wait_listening`
+    then waits for that line (children started side by side)."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 600.0, *, port: int = 0,
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, wait: bool = True):
         self.metrics_port = metrics_port or free_port()
         self.cmd = [sys.executable, "-m", "structd", *args, "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(self.metrics_port), "--log-level", "WARNING", "--grace-seconds", "1"]
@@ -75,7 +80,7 @@ class ChildService:
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log,
                                      stdin=subprocess.DEVNULL)
-        found: list[str] = []
+        self._found: list[str] = []
         pattern = re.compile(r"listening on (\S+):(\d+)")
 
         def reader():
@@ -83,20 +88,29 @@ class ChildService:
                 self._log.write(raw)
                 self._log.flush()
                 m = pattern.search(raw.decode("utf-8", "replace"))
-                if m and not found:
-                    found.append(f"{m.group(1)}:{m.group(2)}")
+                if m and not self._found:
+                    self._found.append(f"{m.group(1)}:{m.group(2)}")
 
         threading.Thread(target=reader, daemon=True, name=f"{args[0]}-stdout").start()
-        deadline = time.monotonic() + timeout
-        while not found:
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self.target = ""
+        if wait:
+            self.wait_listening()
+
+    def wait_listening(self) -> None:
+        """Blocks until the child says where it listens (self.target); SystemExit when it exits first or does
+        not within its timeout (counted from its spawn)."""
+        name = self.cmd[3]
+        while not self._found:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{args[0]} service exited with {self.proc.returncode} before listening; "
-                                 f"see {log_path}")
-            if time.monotonic() > deadline:
+                raise SystemExit(f"{name} service exited with {self.proc.returncode} before listening; "
+                                 f"see {self.log_path}")
+            if time.monotonic() > self._deadline:
                 self.stop()
-                raise SystemExit(f"{args[0]} service did not start within {timeout:g} s; see {log_path}")
+                raise SystemExit(f"{name} service did not start within {self._timeout:g} s; see {self.log_path}")
             time.sleep(0.05)
-        self.target = found[0]
+        self.target = self._found[0]
 
     def cpu_seconds(self, with_children: bool = False) -> float | None:
         """User + system CPU time of the service process so far; with_children: and of the processes it
@@ -233,17 +247,31 @@ class InProcessService(ServiceThread):
 class GrammarTier:
     """K grammar replicas seen as one: the inference service is given every address and spreads its sessions
     over them (inference_svc/grammar/grammar_tier.py); a benchmark reads each replica's samples and the tier's
-    CPU seconds added. `start(log)` starts one replica (default: a `structd grammar` child with `flags`)."""
+    CPU seconds added. By default each replica is a `structd grammar` child with `flags`, all spawned before
+    any is waited for, on `ports` where given (0 or none: the child picks); `start(log)` starts one replica
+    otherwise (an in-process server, one at a time). wait=False: spawned only (`wait_listening` next)."""
 
-    def __init__(self, logs: list[Path], flags: tuple[str, ...] = (), start=None):
-        start = start or (lambda log: ChildService(["grammar", *flags], log))
+    def __init__(self, logs: list[Path], flags: tuple[str, ...] = (), start=None, *,
+                 ports: Sequence[int] | None = None, wait: bool = True):
         self.services: list = []
         try:
+            if start is None:
+                for log, port in zip(logs, ports if ports is not None else [0] * len(logs), strict=True):
+                    self.services.append(ChildService(["grammar", *flags], log, port=port, wait=False))
+                if wait:
+                    self.wait_listening()
+                return
             for log in logs:
                 self.services.append(start(log))
         except BaseException:  # a replica's start failed (or was interrupted): the ones up are stopped
             self.stop()
             raise
+
+    def wait_listening(self) -> None:
+        """Waits for every child replica to listen (each spawned with wait=False); SystemExit as ChildService's."""
+        for s in self.services:
+            if isinstance(s, ChildService):
+                s.wait_listening()
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -269,15 +297,19 @@ class GrammarTier:
 @contextmanager
 def grammar_and_inference(logs: Path, name: str, *, replicas: int = 1, grammar_flags: tuple[str, ...] = (),
                           inference_flags: tuple[str, ...] = ()) -> Iterator[tuple[GrammarTier, ChildService]]:
-    """`replicas` grammar children and an inference child wired to them (logs <logs>/<name>-grammar[i].log and
-    <name>-inference.log); on leaving, or when a start fails, the inference service stops first (it drains while
-    the grammar tier still answers), then the replicas."""
+    """`replicas` grammar children and an inference child wired to them, started side by side (logs
+    <logs>/<name>-grammar[i].log and <name>-inference.log); on leaving, or when a start fails, the inference
+    service stops first (it drains while the grammar tier still answers), then the replicas."""
+    ports = [free_port() for _ in range(replicas)]
     grammar = GrammarTier([logs / (f"{name}-grammar.log" if replicas == 1 else f"{name}-grammar{i}.log")
-                           for i in range(replicas)], grammar_flags)
+                           for i in range(replicas)], grammar_flags, ports=ports, wait=False)
     inference = None
     try:
-        inference = ChildService(["inference", "--grammar-target", ",".join(grammar.targets), *inference_flags],
-                                 logs / f"{name}-inference.log")
+        inference = ChildService(["inference", "--grammar-target", ",".join(f"127.0.0.1:{p}" for p in ports),
+                                  *inference_flags], logs / f"{name}-inference.log", wait=False)
+        # The replicas first: the inference service says it listens only once it has a grammar tier.
+        grammar.wait_listening()
+        inference.wait_listening()
         yield grammar, inference
     finally:
         if inference is not None:
