@@ -97,20 +97,26 @@ def run(args) -> dict:
     result: dict = {}
     schemas = read_jsonl(args.schemas, args.limit)
     progress(f"{len(schemas)} schemas from {args.schemas}")
-    progress("loading the default tokenizer")
-    from shared.tokenizer import default_description
-
-    desc = default_description()
     server = None
     if not args.server:
         progress("starting the grammar server (child process)")
-        # The bounded-string micro-benchmark asks for 120 s compile deadlines.
+        # The bounded-string micro-benchmark asks for 120 s compile deadlines. Spawned first: it starts while
+        # this process loads the tokenizer.
         server = start_server(args, args.out / "server.log",
-                              ("--cache-bytes", str(8 << 30), "--max-compile-timeout-seconds", "600"))
+                              ("--cache-bytes", str(8 << 30), "--max-compile-timeout-seconds", "600"), wait=False)
         result["server_command"] = " ".join(server.cmd[1:])
-        target = server.target
-    else:
-        target = args.server
+    progress("loading the default tokenizer")
+    from shared.tokenizer import default_description
+
+    try:
+        desc = default_description()
+        if server is not None:
+            server.wait_listening()
+    except BaseException:  # this process's tokenizer load, or the server's start, failed: the child goes too
+        if server is not None:
+            server.stop()
+        raise
+    target = server.target if server is not None else args.server
     progress(f"grammar server at {target}")
     try:
         state = asyncio.run(_remote(args, target, desc, schemas, result))

@@ -12,12 +12,12 @@ from pathlib import Path
 from structd.bench.harness import ChildService
 
 
-def start_server(args, log_path: Path, extra_args: tuple[str, ...] = ()) -> ChildService:
+def start_server(args, log_path: Path, extra_args: tuple[str, ...] = (), *, wait: bool = True) -> ChildService:
     """`structd grammar` on a free loopback port with the benchmark's --compile-timeout, --compile-workers and
-    --fill-threads (0: the server's defaults); `stop` drains it."""
+    --fill-threads (0: the server's defaults); `stop` drains it. wait=False: spawned only (`wait_listening`)."""
     flags = ["grammar", "--compile-timeout-seconds", str(args.compile_timeout), "--max-sessions", "65536"]
     if args.compile_workers:
         flags += ["--compile-workers", str(args.compile_workers)]
     if args.fill_threads:
         flags += ["--fill-threads", str(args.fill_threads)]
-    return ChildService(flags + list(extra_args), log_path, timeout=180.0)
+    return ChildService(flags + list(extra_args), log_path, timeout=180.0, wait=wait)
