@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import pytest
 
 from shared.gen.grammar.v1 import grammar_service_pb2 as pb
 from shared.grammar_client import GrammarClient
+from shared.ports import free_ports
 from tests.conftest import REPO, run
 
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
@@ -32,29 +32,6 @@ EXIT_TIMEOUT = 120.0
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def free_ports(n: int = 1) -> int:
-    """First of n consecutive free loopback ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def clean_env() -> dict[str, str]:

@@ -35,11 +35,12 @@ from gateway.server import GatewayServer
 from shared.gen.grammar.v1 import grammar_service_pb2 as gpb
 from shared.grammar_client import GrammarClient
 from shared.inference_client import InferenceClient, InferenceError
+from shared.ports import free_ports
 from shared.tls import ClientTls, ServerTls, sync_channel
 from structd import generate
 from structd.bench.harness import ServiceThread, free_port
 from tests.conftest import REPO, InferenceServerThread, run, start_grammar_server, wait_until
-from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, running
+from tests.test_cli import PYTHON, Proc, children_of, clean_env, running
 from tests.tls_material import Authority, Issued
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

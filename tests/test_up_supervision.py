@@ -16,18 +16,21 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from shared.inference_client import InferenceClient
+from shared.ports import free_ports
 from structd.up import Backoff, Child, Supervisor, describe_exit
 from tests.conftest import REPO
-from tests.test_cli import PYTHON, Proc, children_of, clean_env, free_ports, health, running, serving
+from tests.test_cli import PYTHON, Proc, children_of, clean_env, health, running, serving
 
 RESTART_TIMEOUT = 120.0  # bounds a broken run: a grammar replica starts in ~5 s, the inference service in ~10 s
 GENERATE_TIMEOUT = 120.0
@@ -257,3 +260,40 @@ def test_sigint_stops_everything_and_exits_zero(up):
     assert not [p for p in services if running(p)]
     # No restart was scheduled while stopping.
     assert len([line for line in up.proc.lines if " exited with " in line]) == 3, up.proc.output
+
+
+def _processes_with(fragment: str) -> list[int]:
+    """Pids of the processes whose command line holds `fragment` (children outlive `up` only as orphans)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if fragment in cmdline.read_bytes().replace(b"\0", b" ").decode("utf-8", "replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:  # the process ended while we looked
+            continue
+    return found
+
+
+def test_a_replica_that_fails_at_start_stops_everything_up_started_beside_it(tmp_path):
+    """Every service starts at once: when a grammar replica cannot start (its port is taken), `up` says so and
+    exits 1, and the inference service and the gateway it started beside it are stopped too."""
+    port, mport = free_ports(2), free_ports(2)
+    iport, imetrics, gport = free_ports(), free_ports(), free_ports()
+    out = tmp_path / "up.log"
+    # Into a file, not a pipe: a child that outlived `up` would hold a pipe open and the run would never end.
+    with socket.socket() as taken, out.open("w") as log:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        code = subprocess.run([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+                               "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
+                               "--metrics-port", str(imetrics), "--gateway-port", str(gport), "--log-level",
+                               "WARNING"], cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=300).returncode
+    left = _processes_with(f"--port {iport} ") + _processes_with(f"--port {gport} ") + \
+        _processes_with(f"--port {port} ")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"children outlived up: {left}"
+    text = out.read_text()
+    assert code == 1, text
+    assert f"error: service for 127.0.0.1:{port + 1} exited with code 1 during start-up" in text, text

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from datetime import timedelta
 import torch
 
 from inference_svc.model.model_runner import PagedModelRunner, StepBatch, validate_batch
+from shared.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,8 @@ def rank_from_env(env: dict[str, str], tp: int) -> RankInfo | None:
 def spawn_local_ranks(tp: int, argv: Sequence[str]) -> tuple[RankInfo, list[subprocess.Popen]]:
     """Rank 0 is this process; ranks 1..tp-1 are `python -m inference_svc <argv>` children with rank env set
     (argv: the service's flags, as `python -m inference_svc` takes them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Below the ephemeral range: the ranks bind it after they start, and a port-0 pick could be reused by then.
+    port = free_port()
     children = []
     for rank in range(1, tp):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",

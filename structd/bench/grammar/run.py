@@ -106,9 +106,9 @@ def run(args) -> dict:
                               ("--cache-bytes", str(8 << 30), "--max-compile-timeout-seconds", "600"), wait=False)
         result["server_command"] = " ".join(server.cmd[1:])
     progress("loading the default tokenizer")
-    from shared.tokenizer import default_description
-
     try:
+        from shared.tokenizer import default_description
+
         desc = default_description()
         if server is not None:
             server.wait_listening()

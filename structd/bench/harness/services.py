@@ -32,7 +32,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,17 +41,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared.ports import free_port
 from structd.bench.harness.metrics import parse_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_and_children(pid: int) -> list[int]:
