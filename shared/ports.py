@@ -7,20 +7,24 @@ outgoing connection, sometimes before the process told to use it has bound it
 given, a tensor-parallel group's rendezvous). Below that range the kernel
 never picks a port by itself: a port there is taken only by whoever names it.
 So ports are drawn there, at random (independently of the `random` module's
-seed), where the range leaves room, and checked free by binding them.
+seed), where the range leaves room, checked free by binding them, and never
+handed out twice by one process (two draws told to two children would clash).
 """
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
 from pathlib import Path
 
-# Below this: the usual ports of well-known and registered services.
+# Below this: the fixed default ports services commonly listen on (ours too: 8000, 9401, 50051 are outside).
 FIRST_PORT = 10000
 # The kernel's ephemeral range starts here where it cannot be read (IANA's dynamic range).
 DEFAULT_EPHEMERAL_LOW = 49152
 _draw = random.SystemRandom()
+_handed_out: set[int] = set()
+_lock = threading.Lock()
 
 
 def ephemeral_low() -> int:
@@ -31,35 +35,42 @@ def ephemeral_low() -> int:
         return DEFAULT_EPHEMERAL_LOW
 
 
-def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
-    """The first of n consecutive ports free on host now: below the ephemeral range where it leaves room for
-    them, else where a port-0 bind lands. RuntimeError when none is found."""
+def free_ports(n: int = 1) -> int:
+    """The first of n consecutive loopback ports free now and not handed out before by this process: below the
+    ephemeral range where it leaves room for them, else where a port-0 bind lands. RuntimeError when none is
+    found."""
     low = ephemeral_low()
+    # Room for many blocks of n, so random draws rarely meet a taken one; a range starting lower (some containers
+    # give the whole space to it) leaves the kernel's picks as the only way.
     below = low - FIRST_PORT > 100 * n
-    for _ in range(200):
-        if below:
-            base = _draw.randrange(FIRST_PORT, low - n + 1)
-        else:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                base = s.getsockname()[1]
-            if base + n > 65536:
+    with _lock:
+        for _ in range(200):
+            if below:
+                base = _draw.randrange(FIRST_PORT, low - n + 1)
+            else:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    base = s.getsockname()[1]
+                if base + n > 65536:
+                    continue
+            if _handed_out.intersection(range(base, base + n)):
                 continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
+            socks = []
+            try:
+                for port in range(base, base + n):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind(("127.0.0.1", port))
+            except OSError:  # taken (or in TIME_WAIT): another draw
+                continue
+            finally:
+                for s in socks:
+                    s.close()
+            _handed_out.update(range(base, base + n))
             return base
-        except OSError:  # taken (or in TIME_WAIT): another draw
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on {host}")
+    raise RuntimeError(f"no {n} consecutive free loopback ports")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on host now, below the ephemeral range where there is room (see the module docstring)."""
-    return free_ports(1, host)
+def free_port() -> int:
+    """A loopback port free now, below the ephemeral range where there is room (see the module docstring)."""
+    return free_ports(1)

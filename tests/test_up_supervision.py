@@ -11,6 +11,7 @@ everything and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -281,18 +282,22 @@ def test_a_replica_that_fails_at_start_stops_everything_up_started_beside_it(tmp
     iport, imetrics, gport = free_ports(), free_ports(), free_ports()
     out = tmp_path / "up.log"
     # Into a file, not a pipe: a child that outlived `up` would hold a pipe open and the run would never end.
-    with socket.socket() as taken, out.open("w") as log:
-        taken.bind(("127.0.0.1", port + 1))
-        taken.listen()
-        code = subprocess.run([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
-                               "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port", str(iport),
-                               "--metrics-port", str(imetrics), "--gateway-port", str(gport), "--log-level",
-                               "WARNING"], cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                              timeout=300).returncode
-    left = _processes_with(f"--port {iport} ") + _processes_with(f"--port {gport} ") + \
-        _processes_with(f"--port {port} ")
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left: list[int] = []
+    try:
+        with socket.socket() as taken, out.open("w") as log:
+            taken.bind(("127.0.0.1", port + 1))
+            taken.listen()
+            code = subprocess.run([PYTHON, "-m", "structd", "up", "--host", "127.0.0.1", "--grammar-port", str(port),
+                                   "--grammar-metrics-port", str(mport), "--grammar-replicas", "2", "--port",
+                                   str(iport), "--metrics-port", str(imetrics), "--gateway-port", str(gport),
+                                   "--log-level", "WARNING"], cwd=REPO, env=clean_env(), stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=300).returncode
+    finally:
+        left = _processes_with(f"--port {iport} ") + _processes_with(f"--port {gport} ") + \
+            _processes_with(f"--port {port} ")
+        for pid in left:  # they must not outlive the test, whatever it finds
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert not left, f"children outlived up: {left}"
     text = out.read_text()
     assert code == 1, text

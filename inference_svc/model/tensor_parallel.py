@@ -62,7 +62,8 @@ def rank_from_env(env: dict[str, str], tp: int) -> RankInfo | None:
 def spawn_local_ranks(tp: int, argv: Sequence[str]) -> tuple[RankInfo, list[subprocess.Popen]]:
     """Rank 0 is this process; ranks 1..tp-1 are `python -m inference_svc <argv>` children with rank env set
     (argv: the service's flags, as `python -m inference_svc` takes them)."""
-    # Below the ephemeral range: the ranks bind it after they start, and a port-0 pick could be reused by then.
+    # Below the ephemeral range: this rank binds the rendezvous only in init_group, and a port-0 pick could be
+    # handed to another socket by then.
     port = free_port()
     children = []
     for rank in range(1, tp):
