@@ -216,9 +216,12 @@ class Child:
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_SECONDS, stop: threading.Event | None = None,
                    proc: subprocess.Popen | None = None) -> bool:
         proc = proc or self.proc
-        if self.health_url is not None:
-            return wait_http_ok(self.health_url, proc, timeout, stop, self.tls)
-        return wait_serving(self.target, proc, timeout, stop, self.tls)
+        try:
+            if self.health_url is not None:
+                return wait_http_ok(self.health_url, proc, timeout, stop, self.tls)
+            return wait_serving(self.target, proc, timeout, stop, self.tls)
+        except (RuntimeError, TimeoutError) as e:  # the child's: said with its name (they start side by side)
+            raise type(e)(f"{self.name}: {e}") from None
 
 
 class Supervisor:
@@ -297,8 +300,8 @@ class Supervisor:
                 self.say(f"{c.name} SERVING again on {c.target} (pid {proc.pid})")
         except RuntimeError:
             pass  # the child's: it exited during start-up; run() reports the exit and backs off further
-        except TimeoutError as e:
-            self.say(f"warning: {c.name}: {e}")
+        except TimeoutError as e:  # named by wait_ready
+            self.say(f"warning: {e}")
 
     def stop_all(self) -> None:
         """SIGTERM to the gateway, then the inference service, and wait for each (each drains while what it

@@ -301,4 +301,5 @@ def test_a_replica_that_fails_at_start_stops_everything_up_started_beside_it(tmp
     assert not left, f"children outlived up: {left}"
     text = out.read_text()
     assert code == 1, text
-    assert f"error: service for 127.0.0.1:{port + 1} exited with code 1 during start-up" in text, text
+    said = f"error: grammar replica 2: service for 127.0.0.1:{port + 1} exited with code 1 during start-up"
+    assert said in text, text
