@@ -9,6 +9,8 @@ import importlib
 import json
 import time
 
+import pytest
+
 from structd import cli
 from structd.bench import harness
 from structd.bench.harness.children import each_in_a_child
@@ -86,8 +88,6 @@ def test_each_item_runs_in_its_own_child_with_a_deadline():
 def test_a_replica_that_cannot_start_stops_the_inference_service_started_beside_it(tmp_path):
     """The inference service starts beside its grammar replicas and would wait for them for ever: a replica that
     exits at start (a bad flag) is reported at once, naming it, and the inference child is stopped with it."""
-    import pytest
-
     spawned = []
 
     class Recording(harness.services.ChildService):

@@ -34,7 +34,6 @@ import random
 import re
 import signal
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -213,11 +212,12 @@ class GrammarReplica:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
+        """wait=False: spawned only (self.svc.wait_listening next)."""
         self.starts += 1
         self.svc = ChildService(["grammar", "--max-sessions", "65536"],
                                 self.out / f"grammar-{self.index + 1}.{self.starts}.log", STARTUP_TIMEOUT_SECONDS,
-                                port=self.port, metrics_port=self.metrics_port)
+                                port=self.port, metrics_port=self.metrics_port, wait=wait)
 
     def restart(self, sig: signal.Signals) -> dict:
         """Stops the replica with sig, waits for it to exit and starts it again on its ports (blocking)."""
@@ -253,24 +253,6 @@ class GrammarReplica:
             self.svc.stop()
 
 
-def _in_parallel(calls: list) -> list[BaseException]:
-    """Runs the blocking calls on threads at once; the exceptions they raised (ChildService raises SystemExit)."""
-    failures: list[BaseException] = []
-
-    def run(call) -> None:
-        try:
-            call()
-        except BaseException as e:  # noqa: BLE001 - a child's start-up/stop failure, handed to the caller
-            failures.append(e)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return failures
-
-
 class Services:
     """The two grammar replicas and the inference server, started and stopped together."""
 
@@ -282,20 +264,29 @@ class Services:
                  "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(max(1024, 4 * args.streams)),
                  "--default-max-tokens", str(args.max_tokens)]
 
-        def start_inference() -> None:
-            self.inference = ChildService(flags, out / "inference.log", STARTUP_TIMEOUT_SECONDS)
-
-        # All three load the 129k tokenizer at once; the inference server waits for the grammar tier by itself.
-        failures = _in_parallel([r.start for r in self.grammar] + [start_inference])
-        if failures:
+        # All three spawned before any is waited for: each loads the 129k tokenizer, and the inference server
+        # waits for the grammar tier by itself.
+        try:
+            for r in self.grammar:
+                r.start(wait=False)
+            self.inference = ChildService(flags, out / "inference.log", STARTUP_TIMEOUT_SECONDS, wait=False)
+            for r in self.grammar:
+                r.svc.wait_listening()
+            self.inference.wait_listening()
+        except SystemExit as e:  # a child's start failed: whatever started is stopped
             self.stop()
-            raise SystemExit(f"the services did not start: {failures[0]}")
+            raise SystemExit(f"the services did not start: {e}") from None
 
     def stop(self) -> None:
         """The inference server first (it drains while the grammar tier answers), then both replicas."""
         if self.inference is not None:
             self.inference.stop()
-        _in_parallel([r.stop for r in self.grammar])
+        # Both replicas drain side by side.
+        for r in self.grammar:
+            if r.svc is not None:
+                r.svc.begin_stop()
+        for r in self.grammar:
+            r.stop()
 
 
 # --- the load ------------------------------------------------------------------------------
